@@ -1,0 +1,122 @@
+"""Planner properties on generated inputs, and the issue's worked examples through the CLI."""
+import itertools
+import json
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from ugpum.arch import Workload, get_spec
+from ugpum.cli import main
+from ugpum.devices import GIB, Device
+from ugpum.plan import PlanError, _combine, _Evaluator, best_split, budget_bytes, make_plan
+
+
+def device(gib: float, tflops: float, gbps: float = 25.0, label: str = "gpu") -> Device:
+    return Device(label=label, torch_device=None, total_bytes=int(gib * GIB), free_bytes=int(gib * GIB),
+                  tflops_bf16=tflops, host_gbps=gbps, link="pcie4x16")
+
+
+devices_st = st.lists(st.tuples(st.floats(6, 48), st.floats(20, 400), st.sampled_from([6.5, 25.0, 50.0])),
+                      min_size=1, max_size=3)
+workload_st = st.builds(Workload, width=st.sampled_from([512, 768, 1024]), height=st.sampled_from([512, 1024]),
+                        checkpointing=st.booleans(), weight_dtype=st.sampled_from(["bf16", "fp8"]),
+                        rank=st.sampled_from([4, 16, 64]))
+
+
+def _brute_force(ev: _Evaluator):
+    n, p = len(ev.spec.blocks), len(ev.devices)
+    best = None
+    for inner in itertools.combinations_with_replacement(range(n + 1), p - 1):
+        cuts = [0, *inner, n]
+        keys = [ev.key(k, cuts[k], cuts[k + 1]) for k in range(p)]
+        if any(k is None for k in keys):
+            continue
+        total = keys[0]
+        for k in keys[1:]:
+            total = _combine(total, k)
+        best = total if best is None or total < best else best
+    return best
+
+
+@settings(max_examples=40, deadline=None)
+@given(devs=devices_st, w=workload_st, model=st.sampled_from(["flux2-klein-4b", "flux2-klein-9b", "wan2.1-1.3b"]))
+def test_plan_properties_and_optimality(devs, w, model):
+    spec = get_spec(model)
+    devices = [device(*d, label=f"gpu{i}") for i, d in enumerate(devs)]
+    try:
+        plan = make_plan(spec, devices, w)
+    except PlanError as e:
+        assert "does not fit" in str(e) and "GiB" in str(e)
+        assert _brute_force(_Evaluator(spec, devices, w, 1)) is None
+        return
+    # contiguous, in device order, every block exactly once
+    edges = [s.blocks for s in plan.stages]
+    assert edges[0][0] == 0 and edges[-1][1] == len(spec.blocks)
+    assert all(a[1] == b[0] for a, b in zip(edges, edges[1:]))
+    assert all(a <= b for a, b in edges)
+    assert set(plan.offloaded_blocks) <= set(range(len(spec.blocks)))
+    # within each device's budget
+    for s, d in zip(plan.stages, devices):
+        assert s.forecast_gib <= budget_bytes(d) / GIB + 1e-3
+    # optimal for its own cost model
+    ev = _Evaluator(spec, devices, w, 1)
+    cuts = best_split(ev)
+    dp = ev.key(0, cuts[0], cuts[1])
+    for k in range(1, len(devices)):
+        dp = _combine(dp, ev.key(k, cuts[k], cuts[k + 1]))
+    assert dp == _brute_force(ev)
+    json.dumps(plan.to_json())
+
+
+@settings(max_examples=25, deadline=None)
+@given(fast=st.floats(100, 400), ratio=st.floats(1.3, 4.0), model=st.sampled_from(["flux2-klein-4b", "wan2.1-1.3b"]))
+def test_faster_device_gets_more_blocks(fast, ratio, model):
+    spec = get_spec(model)
+    a, b = device(80, fast, label="fast"), device(80, fast / ratio, label="slow")
+    for order in ([a, b], [b, a]):
+        plan = make_plan(spec, order, Workload())
+        counts = {s.device: s.blocks[1] - s.blocks[0] for s in plan.stages}
+        assert counts["fast"] > counts["slow"]
+
+
+def test_json_plan_fields(capsys):
+    assert main(["plan", "--model", "wan2.1-14b", "--gpu", "16GiB", "--gpu", "16GiB", "--resolution", "1024",
+                 "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert [s["blocks"] for s in plan["stages"]][0][0] == 0
+    assert plan["stages"][-1]["blocks"][1] == 40
+    for key in ("offloaded_blocks", "boundary_mib", "predicted_step_s", "verdict"):
+        assert key in plan
+    assert all({"device", "blocks", "forecast_gib", "budget_gib"} <= set(s) for s in plan["stages"])
+    assert plan["boundary_mib"] == pytest.approx(40.0)          # DESIGN §4: Wan 1024² frame
+
+
+def test_one_16gib_gpu_shows_the_swap_tier(capsys):
+    assert main(["plan", "--model", "wan2.1-14b", "--gpu", "16GiB", "--resolution", "1024", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert len(plan["offloaded_blocks"]) >= 12                   # 26.6 GiB of blocks on a 16 GiB card
+    assert plan["stages"][0]["forecast_gib"] <= plan["stages"][0]["budget_gib"]
+
+
+def test_faster_card_of_a_mixed_pair_gets_more_blocks(capsys):
+    assert main(["plan", "--model", "flux2-klein-9b", "--gpu", "rtx5080", "--gpu", "rtx4060ti-16g",
+                 "--json"]) == 0
+    s5080, s4060 = json.loads(capsys.readouterr().out)["stages"]
+    assert s5080["blocks"][1] - s5080["blocks"][0] > s4060["blocks"][1] - s4060["blocks"][0]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "flux3", "--gpu", "16GiB"], "unknown model id 'flux3'"),
+    (["--model", "flux2-dev", "--gpu", "16gibberish"], "unknown device spec"),
+    (["--model", "flux2-dev", "--gpu", "4GiB"], "does not fit"),
+    (["--model", "wan2.1-14b", "--gpu", "16GiB", "--frames", "6"], "4k+1"),
+])
+def test_bad_requests_exit_2_with_one_line(capsys, argv, message):
+    assert main(["plan", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err
+
+
+def test_impossible_plan_names_what_would_fit():
+    with pytest.raises(PlanError, match="Would fit with: .*more GPU"):
+        make_plan(get_spec("flux2-dev"), [device(8, 100)], Workload())

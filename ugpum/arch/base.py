@@ -1,0 +1,117 @@
+"""What the planner needs to know about a diffusion transformer, independent of any model code."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+WEIGHT_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1, "fp32": 4}
+ACT_BYTES = 2  # activations run in bf16 (autocast) on the GPU
+
+
+@dataclass(frozen=True)
+class LinearSpec:
+    """A LoRA target: a Linear inside a block, path relative to the block."""
+    path: str
+    in_features: int
+    out_features: int
+
+
+@dataclass(frozen=True)
+class BlockSpec:
+    path: str        # module path in ComfyUI's layout, e.g. "double_blocks.3"
+    kind: str        # "double", "single" or "wan"
+    params: int
+    linears: tuple[LinearSpec, ...]
+
+    def lora_params(self, rank: int) -> int:
+        return sum(rank * (lin.in_features + lin.out_features) for lin in self.linears)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One training step's shape."""
+    width: int = 1024
+    height: int = 1024
+    frames: int = 1
+    batch: int = 1
+    text_tokens: int = 512
+    checkpointing: bool = True
+    weight_dtype: str = "bf16"
+    rank: int = 16
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    id: str
+    family: str                  # "flux2" or "wan"
+    title: str                   # modelspec architecture prefix, e.g. "Flux.2-klein-9b"
+    hidden: int
+    heads: int
+    blocks: tuple[BlockSpec, ...]
+    head_params: int             # embedders etc., placed with the first stage
+    tail_params: int             # final layer, placed with the last stage
+    context_dim: int
+    ffn: int = 0                 # Wan only
+    guidance: bool = False
+    distilled: bool = False      # sampling defaults: 4 steps / no CFG when distilled
+    tail_modules: tuple[str, ...] = ()   # run after the blocks: placed with the last stage
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def params(self) -> int:
+        return self.head_params + self.tail_params + sum(b.params for b in self.blocks)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    # --- shapes of one step -------------------------------------------------------------------
+    def image_tokens(self, w: Workload) -> int:
+        if self.family == "wan":
+            latent_frames = 1 + (w.frames - 1) // 4          # VAE: 4x temporal
+            return latent_frames * (w.height // 16) * (w.width // 16)  # 8x VAE, 2x2 patch
+        return (w.height // 16) * (w.width // 16)            # FLUX.2: 16x after 2x2 patchify
+
+    def stream_tokens(self, w: Workload) -> int:
+        """Tokens carried by the hidden state that crosses a block boundary."""
+        if self.family == "wan":
+            return self.image_tokens(w)                      # text is a shared input, not a stream
+        return self.image_tokens(w) + w.text_tokens
+
+    def boundary_bytes(self, w: Workload) -> int:
+        """Hidden state crossing one stage boundary in one direction (the gradient is as large)."""
+        return w.batch * self.stream_tokens(w) * self.hidden * ACT_BYTES
+
+    def shared_input_bytes(self, w: Workload) -> int:
+        """Per-step inputs every block reads, copied once to each device (not per block)."""
+        t = self.stream_tokens(w)
+        rope = w.batch * t * self.head_dim * 2 * 4           # cos/sin tables in fp32
+        if self.family == "wan":
+            context = w.batch * w.text_tokens * self.hidden * ACT_BYTES
+            modulation = w.batch * 6 * self.hidden * 4
+            return rope + context + modulation
+        modulation = w.batch * (6 + 6 + 3) * self.hidden * 4  # double img/txt + single, fp32
+        return rope + modulation
+
+    def block_flops(self, block: BlockSpec, w: Workload) -> float:
+        """Forward FLOPs of one block: its matmuls plus attention."""
+        img, txt = self.image_tokens(w), w.text_tokens
+        if self.family == "wan":
+            dense = 2 * (6 * self.hidden ** 2 + 2 * self.hidden * self.ffn) * img
+            dense += 2 * 2 * self.hidden ** 2 * txt          # cross-attention k, v on the text
+            attention = 4 * img * img * self.hidden + 4 * img * txt * self.hidden
+        else:
+            t = img + txt
+            dense = 2 * block.params * t / (2 if block.kind == "double" else 1)
+            attention = 4 * t * t * self.hidden
+        return w.batch * (dense + attention)
+
+    def saved_units(self, block: BlockSpec) -> float:
+        """Activations a block saves for backward, in hidden-state sizes (tokens x hidden x bf16).
+
+        Counted from the block's ops with frozen base weights and LoRA on its linears (inputs of
+        norms, LoRA inputs, q/k/v and attention output, gated-MLP halves); checked against the
+        measured peaks in bench/results (klein 9B: about 17 per block).
+        """
+        if self.family == "wan":
+            return 12 + 2.5 * self.ffn / self.hidden
+        return 17.0

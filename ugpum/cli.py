@@ -1,0 +1,116 @@
+"""`python -m ugpum`: plan (and, as they land, train, demo, bench)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .arch import UnknownModel, Workload, get_spec
+from .devices import parse_device_specs
+from .plan import GIB, PlanError, make_plan
+
+
+class UsageError(ValueError):
+    pass
+
+
+def _resolution(text: str) -> tuple[int, int]:
+    w, _, h = text.lower().partition("x")
+    try:
+        width, height = int(w), int(h or w)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--resolution {text!r}: give pixels, e.g. 1024 or 832x480")
+    if width % 16 or height % 16 or width <= 0 or height <= 0:
+        raise argparse.ArgumentTypeError(f"--resolution {text!r}: width and height must be positive multiples of 16")
+    return width, height
+
+
+def add_plan_parser(sub) -> None:
+    p = sub.add_parser("plan", help="split a model over GPUs and forecast memory and step time")
+    p.add_argument("--model", required=True, help="model id (e.g. flux2-klein-9b) or a .safetensors DiT file")
+    p.add_argument("--gpu", action="append", required=True, metavar="SPEC",
+                   help="a GPU: auto, cuda:N, a size (16GiB), or a preset (rtx4090), optionally @pcie4x4; repeat")
+    p.add_argument("--resolution", type=_resolution, default=(1024, 1024), metavar="PX")
+    p.add_argument("--frames", type=int, default=1, help="video frames (Wan: 4k+1)")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    p.add_argument("--rank", type=int, default=16, help="LoRA rank")
+    p.add_argument("--dtype", choices=["bf16", "fp8"], default="bf16", help="base weight dtype")
+    p.add_argument("--checkpointing", choices=["block", "none"], default="block")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+def spec_for(model: str):
+    if model.endswith(".safetensors"):
+        from .arch import recognise
+        return recognise(model)[0]
+    return get_spec(model)
+
+
+def run_plan(args) -> int:
+    spec = spec_for(args.model)
+    for name in ("frames", "batch", "grad_accum", "rank"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
+    if spec.family == "wan" and (args.frames - 1) % 4:
+        raise UsageError(f"--frames {args.frames}: Wan takes 4k+1 frames (1, 5, 17, 33, 81)")
+    if spec.family == "flux2" and args.frames != 1:
+        raise UsageError("--frames: FLUX.2 trains on images; leave --frames at 1")
+    w = Workload(width=args.resolution[0], height=args.resolution[1], frames=args.frames, batch=args.batch,
+                 checkpointing=args.checkpointing == "block", weight_dtype=args.dtype, rank=args.rank)
+    devices = parse_device_specs(args.gpu)
+    if not devices:
+        raise UsageError("--gpu auto: no CUDA GPU found here; describe one instead, e.g. --gpu 16GiB or --gpu rtx4090")
+    plan = make_plan(spec, devices, w, grad_accum=args.grad_accum)
+    print(json.dumps(plan.to_json(), indent=1) if args.json else format_plan(plan))
+    return 0
+
+
+def _block_range(paths: list[str], a: int, b: int) -> str:
+    if a == b:
+        return "-"
+    first, last = paths[a], paths[b - 1]
+    return f"{a}-{b - 1} ({first} .. {last})"
+
+
+def format_plan(plan) -> str:
+    w = plan.workload
+    lines = [f"{plan.model}  {w['width']}x{w['height']}" + (f"x{w['frames']}f" if w["frames"] > 1 else "")
+             + f"  batch {w['batch']}  grad-accum {plan.grad_accum}  rank {w['rank']}  {w['weight_dtype']}"
+             + f"  checkpointing {'block' if w['checkpointing'] else 'none'}", ""]
+    header = f"{'device':<24} {'blocks':<44} {'swapped':>7} {'forecast / budget GiB':>22} {'s/micro-batch':>13}"
+    lines += [header, "-" * len(header)]
+    for s in plan.stages:
+        lines.append(f"{s.device[:24]:<24} {_block_range(plan.block_paths, *s.blocks):<44} "
+                     f"{len(s.offloaded):>7} {s.forecast_gib:>10.1f} / {s.budget_gib:<9.1f} {s.seconds:>13.2f}")
+    lines += ["", f"hidden state per boundary: {plan.boundary_mib:.1f} MiB; per step "
+              f"{plan.crossing_bytes_per_step / 2**20:.0f} MiB between devices, "
+              f"{plan.swap_bytes_per_step / GIB:.1f} GiB block swap",
+              "s/step for 1..8 micro-batches:",
+              "  sequential " + " ".join(f"{t:.2f}" for t in plan.step_s["sequential"]),
+              "  pipelined  " + " ".join(f"{t:.2f}" for t in plan.step_s["pipelined"])]
+    if plan.swap_forecast:
+        sf = plan.swap_forecast
+        lines.append(f"one GPU ({sf['device']}) with swap: {sf['predicted_step_s']:.2f} s/step, "
+                     f"{len(sf['offloaded_blocks'])} blocks swapped, {sf['forecast_gib']:.1f} GiB")
+    lines += [f"predicted: {plan.predicted_step_s:.2f} s/step", "", plan.verdict]
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m ugpum", description="UGPUM: LoRA training split over GPUs")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_plan_parser(sub)
+    return parser
+
+
+COMMANDS = {"plan": run_plan}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except (UsageError, UnknownModel, PlanError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,76 @@
+"""Seconds and bytes per block for one training micro-batch: the planner's cost model (DESIGN §5)."""
+from __future__ import annotations
+
+from .arch.base import ACT_BYTES, WEIGHT_BYTES, ArchSpec, BlockSpec, Workload
+
+GIB = 1024 ** 3
+
+# A DiT block reaches this fraction of the device's measured square-matmul rate: on the H200 a
+# klein 9B block at 1024² does fwd+bwd (5.2 TFLOP) in 12 ms (DESIGN §4) against ~790 TFLOP/s.
+BLOCK_EFFICIENCY = 0.55
+# Frozen base weights: backward computes only input gradients for the dense part (1x forward);
+# flash attention's backward costs about 2.5x its forward.
+DENSE_BACKWARD = 1.0
+ATTENTION_BACKWARD = 2.5
+# LoRA parameter bytes: fp32 master weight + fp32 gradient + AdamW's two fp32 moments.
+LORA_BYTES_PER_PARAM = 16
+# Largest temporaries alive inside one block (qkv + MLP projections), in hidden-state sizes.
+BLOCK_TRANSIENT_UNITS = 10.0
+
+
+def block_flops_split(spec: ArchSpec, block: BlockSpec, w: Workload) -> tuple[float, float]:
+    """(dense, attention) forward FLOPs of one block."""
+    img, txt, h = spec.image_tokens(w), w.text_tokens, spec.hidden
+    if spec.family == "wan":
+        attention = 4 * img * img * h + 4 * img * txt * h
+    else:
+        attention = 4 * (img + txt) ** 2 * h
+    attention *= w.batch
+    return spec.block_flops(block, w) - attention, attention
+
+
+def block_train_flops(spec: ArchSpec, block: BlockSpec, w: Workload) -> float:
+    """Forward + backward (+ recompute under checkpointing) FLOPs of one block."""
+    dense, attention = block_flops_split(spec, block, w)
+    total = dense * (1 + DENSE_BACKWARD) + attention * (1 + ATTENTION_BACKWARD)
+    if w.checkpointing:
+        total += dense + attention
+    return total
+
+
+def block_seconds(spec: ArchSpec, block: BlockSpec, w: Workload, tflops: float) -> float:
+    return block_train_flops(spec, block, w) / (tflops * 1e12 * BLOCK_EFFICIENCY)
+
+
+def forward_share(w: Workload) -> float:
+    """Fraction of a block's training time spent in its first forward (what prefetch can hide behind)."""
+    return 1 / (4.5 if w.checkpointing else 3.5)
+
+
+def block_weight_bytes(block: BlockSpec, w: Workload) -> int:
+    return block.params * WEIGHT_BYTES[w.weight_dtype]
+
+
+def hidden_bytes(spec: ArchSpec, w: Workload) -> int:
+    return spec.boundary_bytes(w)
+
+
+def block_activation_bytes(spec: ArchSpec, block: BlockSpec, w: Workload) -> float:
+    """Bytes a block keeps alive from its forward until its backward."""
+    if w.checkpointing:
+        return hidden_bytes(spec, w)                     # only the block's input is kept
+    return spec.saved_units(block) * hidden_bytes(spec, w)
+
+
+def block_peak_extra_bytes(spec: ArchSpec, block: BlockSpec, w: Workload) -> float:
+    """Working memory on top of what is kept, while the block runs backward."""
+    internals = spec.saved_units(block) * hidden_bytes(spec, w) if w.checkpointing else 0
+    return internals + BLOCK_TRANSIENT_UNITS * hidden_bytes(spec, w)
+
+
+def lora_bytes(block: BlockSpec, w: Workload) -> int:
+    return block.lora_params(w.rank) * LORA_BYTES_PER_PARAM
+
+
+def act_bytes() -> int:
+    return ACT_BYTES

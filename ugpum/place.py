@@ -1,0 +1,123 @@
+"""Apply a plan to a model: every block on its stage's device, activations routed between them.
+
+`place` either moves an already-built model, or fills a model built on the meta device straight from
+its safetensors file, one module at a time, so neither host RAM nor any one GPU ever holds the whole
+model. `Placement.undo` puts everything back where it was and removes the hooks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .route import Router
+
+
+@dataclass
+class Layout:
+    """Which device each part of the model runs on."""
+    blocks: dict[str, str]                 # block module path -> device
+    first: str                             # everything that is neither a block nor a tail module
+    last: str
+    tail_modules: tuple[str, ...] = ()     # run after the blocks (FLUX.2 final_layer, Wan head)
+
+    @classmethod
+    def from_plan(cls, plan, devices: list[str], tail_modules: tuple[str, ...] = ()) -> "Layout":
+        """Devices are the torch devices of the plan's stages, in stage order."""
+        blocks = {}
+        for stage, dev in zip(plan.stages, devices):
+            for i in range(*stage.blocks):
+                blocks[plan.block_paths[i]] = dev
+        busy = [d for s, d in zip(plan.stages, devices) if s.blocks[1] > s.blocks[0]] or devices
+        return cls(blocks, busy[0], busy[-1], tail_modules)
+
+    def device_of(self, path: str) -> str:
+        """Device of the module at `path` or of the placed unit that contains it."""
+        parts = path.split(".")
+        for i in range(len(parts), 0, -1):
+            prefix = ".".join(parts[:i])
+            if prefix in self.blocks:
+                return self.blocks[prefix]
+            if prefix in self.tail_modules:
+                return self.last
+        return self.first
+
+
+@dataclass
+class Placement:
+    model: nn.Module
+    layout: Layout
+    router: Router
+    original_devices: dict[str, torch.device] = field(default_factory=dict)
+
+    def undo(self, device: str | None = None) -> None:
+        """Remove the hooks; move every module back (or to `device`)."""
+        self.router.remove()
+        for path, dev in self.original_devices.items():
+            module = self.model.get_submodule(path) if path else self.model
+            target = torch.device(device) if device else dev
+            if target.type != "meta":
+                _move_own(module, target)
+
+
+def _units(model: nn.Module, layout: Layout) -> list[str]:
+    """Module paths placed as one piece: each block, each tail module, and the rest of the root."""
+    return list(layout.blocks) + list(layout.tail_modules)
+
+
+def _own_tensors(module: nn.Module, skip: set[str]):
+    """Parameters and buffers of `module` that do not belong to a placed sub-unit in `skip`."""
+    for name, t in list(module.named_parameters(recurse=True)) + list(module.named_buffers(recurse=True)):
+        if not any(name == s or name.startswith(s + ".") for s in skip):
+            yield name, t
+
+
+def _move_own(module: nn.Module, device: torch.device, skip: set[str] = frozenset()) -> None:
+    """Move `module`'s tensors except those under `skip` (paths relative to module)."""
+    if not skip:
+        module.to(device)
+        return
+    for name, t in _own_tensors(module, skip):
+        owner_path, _, attr = name.rpartition(".")
+        owner = module.get_submodule(owner_path) if owner_path else module
+        moved = t.data.to(device)
+        if isinstance(t, nn.Parameter):
+            owner._parameters[attr] = nn.Parameter(moved, requires_grad=t.requires_grad)
+        else:
+            owner._buffers[attr] = moved
+
+
+def _device_of_module(module: nn.Module) -> torch.device:
+    for t in list(module.parameters()) + list(module.buffers()):
+        return t.device
+    return torch.device("cpu")
+
+
+def place(model: nn.Module, layout: Layout, checkpoint: str | Path | None = None, key_prefix: str = "",
+          dtype: torch.dtype | None = None) -> Placement:
+    """Put each unit on its device and install the router.
+
+    With `checkpoint`, the model must have been built on the meta device: each unit is allocated on
+    its device and filled tensor by tensor from the file (safetensors reads only the bytes asked for).
+    """
+    units = _units(model, layout)
+    router = Router()
+    placement = Placement(model, layout, router)
+    rest_skip = set(units)
+    placement.original_devices[""] = _device_of_module(model)
+    for path in units:
+        placement.original_devices[path] = _device_of_module(model.get_submodule(path))
+    if checkpoint is not None:
+        from .stream_load import fill_from_file
+        fill_from_file(model, layout, Path(checkpoint), key_prefix, dtype)
+    else:
+        _move_own(model, torch.device(layout.first), rest_skip)
+        for path in units:
+            model.get_submodule(path).to(torch.device(layout.device_of(path)))
+    router.reset_each_call(model)
+    router.route_into(model, layout.first)
+    for path in units:
+        router.route_into(model.get_submodule(path), layout.device_of(path))
+    return placement

@@ -1,0 +1,275 @@
+"""Contiguous stages over devices (+ a CPU swap tier), chosen to minimise the slowest stage, with
+the forecast a user reads before loading anything (DESIGN §5)."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from . import cost
+from .arch.base import ACT_BYTES, ArchSpec, Workload
+from .devices import Device, gpu_to_gpu_gbps
+
+GIB = cost.GIB
+MIB = 1024 ** 2
+# Memory no plan may use: cuBLAS/attention workspaces and allocator fragmentation.
+WORKSPACE_RESERVE = 0.75 * GIB
+# A hand-described card's total includes what the CUDA context takes before training starts.
+CUDA_CONTEXT = 0.5 * GIB
+MAX_MICRO_BATCHES = 8
+
+
+class PlanError(ValueError):
+    """The request cannot be planned; the message says what is missing and what would fit."""
+
+
+@dataclass
+class Stage:
+    device: str                 # the device's label
+    torch_device: str | None
+    blocks: list[int]           # [first, end_exclusive]
+    offloaded: list[int]        # block indices streamed from pinned host memory
+    forecast_gib: float
+    budget_gib: float
+    seconds: float              # per micro-batch, forward + backward
+    detail_gib: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Plan:
+    model: str
+    workload: dict
+    grad_accum: int
+    stages: list[Stage]
+    offloaded_blocks: list[int]
+    boundary_mib: float
+    crossing_bytes_per_step: int
+    swap_bytes_per_step: int
+    step_s: dict[str, list[float]]      # schedule -> seconds per step for 1..8 micro-batches
+    predicted_step_s: float             # at grad_accum, best schedule
+    swap_forecast: dict | None          # one GPU (the first) with block swap
+    verdict: str
+    block_paths: list[str]
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def stage_of_block(self) -> list[int]:
+        owner = []
+        for i, s in enumerate(self.stages):
+            owner += [i] * (s.blocks[1] - s.blocks[0])
+        return owner
+
+
+def budget_bytes(device: Device) -> float:
+    context = CUDA_CONTEXT if device.torch_device is None else 0.0
+    return device.free_bytes - context - WORKSPACE_RESERVE
+
+
+class _Evaluator:
+    """Costs of one stage (a block range on one device), cached for the partition search."""
+
+    def __init__(self, spec: ArchSpec, devices: list[Device], w: Workload, in_flight: int):
+        self.spec, self.devices, self.w, self.in_flight = spec, devices, w, in_flight
+        self.hidden = spec.boundary_bytes(w)
+        self.weight = [cost.block_weight_bytes(b, w) for b in spec.blocks]
+        self.lora = [cost.lora_bytes(b, w) for b in spec.blocks]
+        self.kept = [cost.block_activation_bytes(spec, b, w) for b in spec.blocks]
+        self.extra = [cost.block_peak_extra_bytes(spec, b, w) for b in spec.blocks]
+        self.head = spec.head_params * 2 + w.batch * w.text_tokens * spec.context_dim * ACT_BYTES
+        self.tail = spec.tail_params * 2
+        self.stage = lru_cache(maxsize=None)(self._stage)
+
+    def _memory(self, k: int, a: int, b: int, offloaded: tuple[int, ...]) -> dict[str, float]:
+        first, last = k == 0, k == len(self.devices) - 1
+        resident = [i for i in range(a, b) if i not in offloaded]
+        mem = {
+            "weights": sum(self.weight[i] for i in resident)
+            + (self.head if first else 0) + (self.tail if last else 0),
+            "swap_slots": 2 * max((self.weight[i] for i in offloaded), default=0),
+            "lora": sum(self.lora[a:b]),
+            "activations": self.in_flight * sum(self.kept[a:b]) + max(self.extra[a:b], default=0)
+            + (self.spec.shared_input_bytes(self.w) + 2 * self.hidden if b > a or first or last else 0),
+        }
+        return mem
+
+    def _stage(self, k: int, a: int, b: int):
+        """(seconds, memory dict, offloaded) or None if the range cannot fit on device k."""
+        dev = self.devices[k]
+        budget = budget_bytes(dev)
+        offloaded: tuple[int, ...] = ()
+        # Offload the largest blocks first: the fewest blocks to stream for the memory freed.
+        candidates = sorted(range(a, b), key=lambda i: -self.weight[i])
+        mem = self._memory(k, a, b, offloaded)
+        while sum(mem.values()) > budget:
+            if len(offloaded) == len(candidates):
+                return None
+            offloaded = tuple(sorted(offloaded + (candidates[len(offloaded)],)))
+            mem = self._memory(k, a, b, offloaded)
+        compute = sum(cost.block_seconds(self.spec, self.spec.blocks[i], self.w, dev.tflops_bf16)
+                      for i in range(a, b))
+        transfer = sum(self.weight[i] for i in offloaded) / (dev.host_gbps * 1e9)
+        share = cost.forward_share(self.w)
+        exposed = max(0.0, transfer - compute * share) + max(0.0, transfer - compute * (1 - share))
+        return compute + exposed, mem, offloaded
+
+    def key(self, k: int, a: int, b: int):
+        """Sort key of one stage: slowest first, then bytes streamed, then memory pressure."""
+        r = self.stage(k, a, b)
+        if r is None:
+            return None
+        seconds, mem, offloaded = r
+        return (seconds, sum(self.weight[i] for i in offloaded),
+                sum(mem.values()) / max(budget_bytes(self.devices[k]), 1))
+
+
+def _combine(x, y):
+    return tuple(max(p, q) for p, q in zip(x, y))
+
+
+def best_split(ev: _Evaluator) -> list[int] | None:
+    """Stage boundaries [0, c1, ..., n] minimising the combined stage key (exact dynamic program)."""
+    n, p = len(ev.spec.blocks), len(ev.devices)
+    # best[k][j]: best key for blocks [0, j) on devices 0..k; choice[k][j] the start of stage k.
+    best = [[None] * (n + 1) for _ in range(p)]
+    choice = [[0] * (n + 1) for _ in range(p)]
+    for j in range(n + 1):
+        best[0][j] = ev.key(0, 0, j)
+    for k in range(1, p):
+        for j in range(n + 1):
+            for i in range(j + 1):
+                if best[k - 1][i] is None:
+                    continue
+                here = ev.key(k, i, j)
+                if here is None:
+                    continue
+                cand = _combine(best[k - 1][i], here)
+                if best[k][j] is None or cand < best[k][j]:
+                    best[k][j], choice[k][j] = cand, i
+    if best[p - 1][n] is None:
+        return None
+    cuts, j = [n], n
+    for k in range(p - 1, 0, -1):
+        j = choice[k][j]
+        cuts.append(j)
+    return [0] + cuts[::-1]
+
+
+def _step_times(ev: _Evaluator, stages: list[Stage]) -> tuple[dict[str, list[float]], int, float]:
+    busy = [s for s in stages if s.blocks[1] > s.blocks[0]]
+    cross_s, crossings = 0.0, 0
+    for x, y in zip(busy, busy[1:]):
+        if x.torch_device is None or x.torch_device != y.torch_device:
+            dx = ev.devices[stages.index(x)]
+            dy = ev.devices[stages.index(y)]
+            cross_s += 2 * ev.hidden / (gpu_to_gpu_gbps(dx, dy) * 1e9)   # activation + its gradient
+            crossings += 1
+    shared = ev.spec.shared_input_bytes(ev.w) * max(0, len(busy) - 1)
+    shared_s = shared / (min(d.host_gbps for d in ev.devices) * 1e9) if shared else 0.0
+    t = [s.seconds for s in busy]
+    sequential = [m * (sum(t) + cross_s) + shared_s for m in range(1, MAX_MICRO_BATCHES + 1)]
+    pipelined = [(m + len(t) - 1) * max(t) + cross_s + shared_s for m in range(1, MAX_MICRO_BATCHES + 1)]
+    return {"sequential": sequential, "pipelined": pipelined}, crossings, shared
+
+
+def _solve(spec: ArchSpec, devices: list[Device], w: Workload, grad_accum: int, in_flight: int):
+    ev = _Evaluator(spec, devices, w, in_flight)
+    cuts = best_split(ev)
+    if cuts is None:
+        return None
+    stages = []
+    for k, dev in enumerate(devices):
+        a, b = cuts[k], cuts[k + 1]
+        seconds, mem, offloaded = ev.stage(k, a, b)
+        stages.append(Stage(dev.label, dev.torch_device, [a, b], list(offloaded),
+                            round(sum(mem.values()) / GIB, 3), round(budget_bytes(dev) / GIB, 3),
+                            seconds, {key: round(v / GIB, 3) for key, v in mem.items()}))
+    step_s, crossings, shared = _step_times(ev, stages)
+    offloaded = [i for s in stages for i in s.offloaded]
+    per_mb_crossing = crossings * 2 * ev.hidden
+    m = min(max(grad_accum, 1), MAX_MICRO_BATCHES)
+    predicted = min(step_s["sequential"][m - 1], step_s["pipelined"][m - 1])
+    return dict(stages=stages, offloaded_blocks=offloaded, boundary_mib=round(ev.hidden / MIB, 2),
+                crossing_bytes_per_step=per_mb_crossing * grad_accum + shared,
+                swap_bytes_per_step=2 * sum(ev.weight[i] for i in offloaded) * grad_accum,
+                step_s=step_s, predicted_step_s=predicted)
+
+
+def make_plan(spec: ArchSpec, devices: list[Device], w: Workload, grad_accum: int = 1,
+              in_flight: int = 1) -> Plan:
+    if not devices:
+        raise PlanError("no device to plan for: give at least one --gpu (e.g. 16GiB, rtx4090, auto)")
+    solved = _solve(spec, devices, w, grad_accum, in_flight)
+    if solved is None:
+        raise PlanError(_explain_failure(spec, devices, w, grad_accum, in_flight))
+    swap = None
+    if len(devices) > 1:
+        one = _solve(spec, devices[:1], w, grad_accum, in_flight)
+        if one is not None:
+            swap = {"device": devices[0].label, "offloaded_blocks": one["offloaded_blocks"],
+                    "forecast_gib": one["stages"][0].forecast_gib,
+                    "predicted_step_s": one["predicted_step_s"],
+                    "swap_bytes_per_step": one["swap_bytes_per_step"]}
+    plan = Plan(model=spec.id, workload=dataclasses.asdict(w), grad_accum=grad_accum,
+                block_paths=[b.path for b in spec.blocks], swap_forecast=swap, verdict="", **solved)
+    plan.verdict = verdict(plan, devices)
+    return plan
+
+
+def verdict(plan: Plan, devices: list[Device]) -> str:
+    busy = [s for s in plan.stages if s.blocks[1] > s.blocks[0]]
+    link = "/".join(sorted({d.link for d in devices}))
+    here = f"{plan.predicted_step_s:.2f} s/step"
+    if len(devices) == 1:
+        if plan.offloaded_blocks:
+            return (f"One GPU with block swap: {here}, streaming {plan.swap_bytes_per_step / GIB:.1f} GiB "
+                    f"per step over {devices[0].link}; a second GPU would keep those blocks resident.")
+        return f"Fits on one GPU without swap: {here}."
+    split = (f"Split over {len(busy)} GPUs: {here}, {plan.crossing_bytes_per_step / MIB:.0f} MiB per step "
+             f"between GPUs ({link})")
+    if plan.offloaded_blocks:
+        split += f" plus {plan.swap_bytes_per_step / GIB:.1f} GiB of block swap"
+    swap = plan.swap_forecast
+    if swap is None:
+        return split + "; one GPU cannot train this even with block swap."
+    ratio = swap["predicted_step_s"] / plan.predicted_step_s
+    if abs(ratio - 1) < 0.05:
+        compare = "about the same speed (the swap hides behind compute; gradient accumulation lets the split pipeline)"
+    else:
+        compare = f"{max(ratio, 1 / ratio):.2f}x {'faster' if ratio > 1 else 'slower'}"
+    return (split + f"; one GPU with swap: {swap['predicted_step_s']:.2f} s/step, streaming "
+            f"{swap['swap_bytes_per_step'] / GIB:.1f} GiB per step. Split: {compare}.")
+
+
+def _explain_failure(spec, devices, w, grad_accum, in_flight) -> str:
+    pooled = sum(max(budget_bytes(d), 0) for d in devices) / GIB
+    ev = _Evaluator(spec, devices, w, in_flight)
+    # The least any device must hold even with every block streamed: embedders, LoRA, activations.
+    floor = min(sum(ev._memory(0, 0, len(spec.blocks), tuple(range(len(spec.blocks)))).values()),
+                sum(ev._memory(len(devices) - 1, 0, len(spec.blocks), tuple(range(len(spec.blocks)))).values()))
+    biggest = max(budget_bytes(d) for d in devices)
+    missing = max(floor - biggest, 0) / GIB
+    tries = []
+    variants = []
+    if w.weight_dtype != "fp8":
+        variants.append(("fp8 weights (--dtype fp8)", dataclasses.replace(w, weight_dtype="fp8"), devices))
+    if not w.checkpointing:
+        variants.append(("per-block checkpointing (--checkpointing block)",
+                         dataclasses.replace(w, checkpointing=True), devices))
+    for res in (768, 512):
+        if res < max(w.width, w.height):
+            variants.append((f"resolution {res} (--resolution {res})",
+                             dataclasses.replace(w, width=res, height=res), devices))
+    largest = max(devices, key=lambda d: d.free_bytes)
+    for more in (1, 2, 3):
+        variants.append((f"{more} more GPU(s) like {largest.label}", w, devices + [largest] * more))
+    for label, w2, devs in variants:
+        if _solve(spec, devs, w2, grad_accum, in_flight) is not None:
+            tries.append(label)
+            if devs is not devices:
+                break                     # name only the fewest extra GPUs that would do
+    return (f"{spec.id} does not fit on {len(devices)} device(s): with every block swapped to CPU one "
+            f"device would still hold {floor / GIB:.1f} GiB (embedders, LoRA, optimizer state, activations), "
+            f"the largest budget is {biggest / GIB:.1f} GiB ({missing:.1f} GiB short; pooled budget "
+            f"{pooled:.1f} GiB). "
+            + (f"Would fit with: {'; '.join(tries)}." if tries else "Nothing simple would fit."))
