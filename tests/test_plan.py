@@ -58,13 +58,13 @@ def test_plan_properties_and_optimality(devs, w, model):
     # within each device's budget
     for s, d in zip(plan.stages, devices):
         assert s.forecast_gib <= budget_bytes(d) / GIB + 1e-3
-    # optimal for its own cost model
+    # optimal for its own cost model: no split has a faster slowest stage
     ev = _Evaluator(spec, devices, w, 1)
     cuts = best_split(ev)
     dp = ev.key(0, cuts[0], cuts[1])
     for k in range(1, len(devices)):
         dp = _combine(dp, ev.key(k, cuts[k], cuts[k + 1]))
-    assert dp == _brute_force(ev)
+    assert dp[0] == pytest.approx(_brute_force(ev)[0], rel=1e-12)
     json.dumps(plan.to_json())
 
 

@@ -1,7 +1,7 @@
 """Seconds and bytes per block for one training micro-batch: the planner's cost model (DESIGN §5)."""
 from __future__ import annotations
 
-from .arch.base import ACT_BYTES, WEIGHT_BYTES, ArchSpec, BlockSpec, Workload
+from .arch.base import WEIGHT_BYTES, ArchSpec, BlockSpec, Workload
 
 GIB = 1024 ** 3
 
@@ -14,8 +14,9 @@ DENSE_BACKWARD = 1.0
 ATTENTION_BACKWARD = 2.5
 # LoRA parameter bytes: fp32 master weight + fp32 gradient + AdamW's two fp32 moments.
 LORA_BYTES_PER_PARAM = 16
-# Largest temporaries alive inside one block (qkv + MLP projections), in hidden-state sizes.
-BLOCK_TRANSIENT_UNITS = 10.0
+# Under checkpointing the peak comes while one block is recomputed and differentiated; backward frees
+# its saved tensors as it goes, so the peak holds about this share of them (klein 9B 1024², H200).
+RECOMPUTE_PEAK_SHARE = 0.75
 
 
 def block_flops_split(spec: ArchSpec, block: BlockSpec, w: Workload) -> tuple[float, float]:
@@ -63,14 +64,12 @@ def block_activation_bytes(spec: ArchSpec, block: BlockSpec, w: Workload) -> flo
 
 
 def block_peak_extra_bytes(spec: ArchSpec, block: BlockSpec, w: Workload) -> float:
-    """Working memory on top of what is kept, while the block runs backward."""
-    internals = spec.saved_units(block) * hidden_bytes(spec, w) if w.checkpointing else 0
-    return internals + BLOCK_TRANSIENT_UNITS * hidden_bytes(spec, w)
+    """Working memory on top of what is kept, while the block is recomputed and runs backward."""
+    if not w.checkpointing:
+        return 0.0
+    return RECOMPUTE_PEAK_SHARE * spec.saved_units(block) * hidden_bytes(spec, w)
 
 
 def lora_bytes(block: BlockSpec, w: Workload) -> int:
     return block.lora_params(w.rank) * LORA_BYTES_PER_PARAM
 
-
-def act_bytes() -> int:
-    return ACT_BYTES

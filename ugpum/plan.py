@@ -124,7 +124,9 @@ class _Evaluator:
 
 
 def _combine(x, y):
-    return tuple(max(p, q) for p, q in zip(x, y))
+    """Key of two stage groups: the slowest stage decides; then total bytes swapped, then the
+    fullest device. (Only the first part is guaranteed optimal; the rest breaks ties.)"""
+    return max(x[0], y[0]), x[1] + y[1], max(x[2], y[2])
 
 
 def best_split(ev: _Evaluator) -> list[int] | None:

@@ -47,12 +47,22 @@ def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return t.to(dtype)
 
 
+def file_key(name: str, key_prefix: str, header: Header) -> str | None:
+    """The file's key for module tensor `name`. Newer ComfyUI names FLUX.2's q/k norm scales
+    `.weight` where checkpoints store `.scale` (and renames them on load); accept both."""
+    for candidate in (name, name[:-len(".weight")] + ".scale" if name.endswith(".weight") else None):
+        if candidate is not None and key_prefix + candidate in header.tensors:
+            return key_prefix + candidate
+    return None
+
+
 def fill_from_file(model: nn.Module, layout, path: Path, key_prefix: str = "",
                    dtype: torch.dtype | None = None) -> None:
     header = read_header(path)
     names = dict(model.named_parameters())
     names.update(dict(model.named_buffers()))
-    missing = [n for n in names if key_prefix + n not in header.tensors]
+    keys = {n: file_key(n, key_prefix, header) for n in names}
+    missing = [n for n, k in keys.items() if k is None]
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise CheckpointMismatch(f"{path}: the model expects tensors the file lacks: {shown}")
@@ -61,7 +71,7 @@ def fill_from_file(model: nn.Module, layout, path: Path, key_prefix: str = "",
             owner_path, _, attr = name.rpartition(".")
             owner = model.get_submodule(owner_path) if owner_path else model
             device = torch.device(layout.device_of(owner_path))
-            t = read_tensor(f, header, key_prefix + name)
+            t = read_tensor(f, header, keys[name])
             if tuple(t.shape) != tuple(old.shape):
                 raise CheckpointMismatch(f"{path}: {name} has shape {tuple(t.shape)}, the model expects "
                                          f"{tuple(old.shape)}: this file is another model size")

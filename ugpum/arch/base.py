@@ -106,12 +106,12 @@ class ArchSpec:
         return w.batch * (dense + attention)
 
     def saved_units(self, block: BlockSpec) -> float:
-        """Activations a block saves for backward, in hidden-state sizes (tokens x hidden x bf16).
+        """Activations a block keeps for backward, in hidden-state sizes (tokens x hidden x bf16),
+        with LoRA on all its linears and the block guard's copies (ugpum/block_guard.py).
 
-        Counted from the block's ops with frozen base weights and LoRA on its linears (inputs of
-        norms, LoRA inputs, q/k/v and attention output, gated-MLP halves); checked against the
-        measured peaks in bench/results (klein 9B: about 17 per block).
+        FLUX.2: 37.5, fitted to klein 9B at 1024² on the H200 (bench/results/klein9b_place.json:
+        60.2 GiB peak without checkpointing). Wan: counted from its ops (not yet measured).
         """
         if self.family == "wan":
             return 12 + 2.5 * self.ffn / self.hidden
-        return 17.0
+        return 37.5

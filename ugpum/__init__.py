@@ -1,0 +1,1 @@
+"""UGPUM core: multi-GPU LoRA training for large diffusion transformers (no ComfyUI imports)."""

@@ -1,0 +1,1 @@
+"""Training pieces: dataset, flow-matching loss, LoRA, loop."""

@@ -1,0 +1,349 @@
+"""Training images and captions: the musubi-tuner convention, aspect-ratio buckets, pixels.
+
+A dataset is a folder of images, each with a same-stem caption file (`cat.png` + `cat.txt`),
+or a musubi-tuner dataset TOML listing such folders. Every image is assigned a bucket: a
+(width, height) of multiples of 16 (VAE 8x times 2x2 patchify) whose area is about the
+training resolution squared, so batches of one bucket share a shape and nothing is squashed.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
+BUCKET_STEP = 16  # latent stride of FLUX.2 / Wan: VAE 8x, then 2x2 patches
+MAX_BUCKET_ASPECT = 4.0  # buckets span aspect ratios 1:4 .. 4:1
+
+
+class DatasetError(ValueError):
+    """A dataset folder, file or setting is unusable; the message says which and what to do."""
+
+
+@dataclass
+class ImageItem:
+    path: Path
+    caption: str
+    bucket: tuple[int, int]  # (width, height) in pixels, multiples of 16
+    batch_size: int = 1  # what the dataset asked for; the loop batches items of one bucket
+
+
+Resolution = int | tuple[int, int]
+
+
+# ---------------------------------------------------------------- folder confinement
+
+
+def resolve_inside(root: Path | str, relative: Path | str) -> Path:
+    """`root / relative` fully resolved; raises DatasetError if it lands outside `root`.
+
+    Resolving first means `..` and symlinks are judged by where they really point.
+    """
+    root_resolved = Path(root).resolve()
+    candidate = (root_resolved / relative).resolve()
+    if not candidate.is_relative_to(root_resolved):
+        raise DatasetError(
+            f"path {str(relative)!r} resolves to {candidate}, outside the allowed folder "
+            f"{root_resolved}; use a path inside that folder"
+        )
+    return candidate
+
+
+# ---------------------------------------------------------------- buckets
+
+
+def _floor_to_step(value: float) -> int:
+    return int(value // BUCKET_STEP) * BUCKET_STEP
+
+
+def _resolution_area(resolution: Resolution) -> int:
+    if isinstance(resolution, tuple):
+        return resolution[0] * resolution[1]
+    return resolution * resolution
+
+
+def bucket_sizes(target_area: int) -> list[tuple[int, int]]:
+    """All (width, height) buckets: multiples of 16, area <= target_area and close to it.
+
+    For each width the height is the largest multiple of 16 that keeps the area under the
+    target, so each bucket loses less than one 16-pixel row of area. The set is symmetric:
+    a portrait image gets exactly the turned bucket of the same landscape image.
+    """
+    side = math.sqrt(target_area)
+    shortest = max(BUCKET_STEP, _floor_to_step(side / math.sqrt(MAX_BUCKET_ASPECT)))
+    longest = _floor_to_step(side * math.sqrt(MAX_BUCKET_ASPECT))
+    buckets = set()
+    for width in range(shortest, longest + 1, BUCKET_STEP):
+        height = _floor_to_step(target_area / width)
+        if shortest <= height <= longest:
+            buckets.update({(width, height), (height, width)})  # mirrored: portrait = landscape turned
+    return sorted(buckets)
+
+
+def choose_bucket(
+    image_size: tuple[int, int], resolution: Resolution, no_upscale: bool = False
+) -> tuple[int, int]:
+    """The bucket for an image of `image_size` (width, height) at `resolution`.
+
+    Normally: the bucket whose aspect ratio is closest to the image's (compared as log
+    ratios so 2:1 and 1:2 are equally far from 1:1; ties go to the larger area).
+    With `no_upscale`: the image's own aspect, scaled down only if its area exceeds the
+    target, rounded down to multiples of 16 — never bigger than the image on either side.
+    """
+    width, height = image_size
+    target_area = _resolution_area(resolution)
+    if no_upscale:
+        scale = min(1.0, math.sqrt(target_area / (width * height)))
+        bucket = (_floor_to_step(width * scale), _floor_to_step(height * scale))
+        if min(bucket) < BUCKET_STEP:
+            raise ValueError(f"image of {width}x{height} is smaller than {BUCKET_STEP} pixels on a side")
+        return bucket
+    image_log_aspect = math.log(width / height)
+    return min(
+        bucket_sizes(target_area),
+        key=lambda b: (abs(math.log(b[0] / b[1]) - image_log_aspect), -b[0] * b[1]),
+    )
+
+
+# ---------------------------------------------------------------- reading files
+
+
+def _open_rgb(path: Path) -> Image.Image:
+    """Decode the whole image (so truncated files fail here), upright per EXIF, as RGB."""
+    try:
+        with Image.open(path) as image:
+            image.load()
+            upright = ImageOps.exif_transpose(image)
+            return upright.convert("RGB")
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as error:
+        raise DatasetError(
+            f"cannot read image {path}: {error}; re-save it as PNG or JPEG, or remove it"
+        ) from error
+
+
+def _read_caption(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8").strip()
+    except UnicodeDecodeError as error:
+        raise DatasetError(f"caption file {path} is not UTF-8 text; re-save it as UTF-8") from error
+
+
+def _with_trigger(caption: str, trigger: str) -> str:
+    trigger = trigger.strip()
+    if not trigger or trigger.lower() in caption.lower():
+        return caption
+    return f"{trigger}, {caption}" if caption else trigger
+
+
+def _list_images(folder: Path) -> list[Path]:
+    return sorted(
+        p for p in folder.iterdir()
+        if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS and not p.name.startswith(".")
+    )
+
+
+# ---------------------------------------------------------------- settings checks
+
+
+def _check_positive_int(value, name: str, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise DatasetError(f"{where}: {name} must be a whole number >= 1, got {value!r}")
+    return value
+
+
+def _check_bool(value, name: str, where: str) -> bool:
+    if not isinstance(value, bool):
+        raise DatasetError(f"{where}: {name} must be true or false, got {value!r}")
+    return value
+
+
+def _check_resolution(value, where: str) -> Resolution:
+    """An int (square side) or a [width, height] pair, each at least 64 pixels."""
+    if isinstance(value, (list, tuple)):
+        if len(value) != 2:
+            raise DatasetError(f"{where}: resolution must be one number or [width, height], got {value!r}")
+        width, height = (_check_positive_int(v, "resolution", where) for v in value)
+        parsed: Resolution = (width, height)
+    else:
+        parsed = _check_positive_int(value, "resolution", where)
+    sides = parsed if isinstance(parsed, tuple) else (parsed,)
+    if min(sides) < 64:
+        raise DatasetError(f"{where}: resolution {value!r} is too small; use at least 64 pixels")
+    return parsed
+
+
+def _check_caption_ext(value, where: str) -> str:
+    if not isinstance(value, str) or not value.startswith(".") or len(value) < 2:
+        raise DatasetError(f"{where}: caption_extension must look like \".txt\", got {value!r}")
+    return value
+
+
+# ---------------------------------------------------------------- loading a folder
+
+
+def load_image_folder(
+    folder: Path | str,
+    caption_ext: str = ".txt",
+    resolution: Resolution = 1024,
+    repeats: int = 1,
+    trigger: str = "",
+    enable_bucket: bool = True,
+    bucket_no_upscale: bool = False,
+    batch_size: int = 1,
+) -> list[ImageItem]:
+    """Every image in `folder` (not its subfolders) with its caption and bucket.
+
+    Each image appears `repeats` times. `trigger` is put in front of captions that do
+    not already contain it. Without bucketing every image is cropped to `resolution`.
+    """
+    folder = Path(folder)
+    where = f"dataset folder {folder}"
+    caption_ext = _check_caption_ext(caption_ext, where)
+    resolution = _check_resolution(resolution, where)
+    repeats = _check_positive_int(repeats, "repeats", where)
+    batch_size = _check_positive_int(batch_size, "batch_size", where)
+    if not folder.is_dir():
+        raise DatasetError(f"{where} does not exist or is not a folder; check the path")
+
+    image_paths = _list_images(folder)
+    if not image_paths:
+        raise DatasetError(
+            f"{where} holds no images ({', '.join(IMAGE_EXTENSIONS)}); put the training images there"
+        )
+
+    fixed_size = resolution if isinstance(resolution, tuple) else (resolution, resolution)
+    if not enable_bucket and any(side % BUCKET_STEP for side in fixed_size):
+        raise DatasetError(
+            f"{where}: without bucketing, resolution {fixed_size} must be multiples of {BUCKET_STEP}"
+        )
+
+    items = []
+    for image_path in image_paths:
+        caption_path = image_path.with_suffix(caption_ext)
+        if not caption_path.is_file():
+            raise DatasetError(
+                f"image {image_path} has no caption file {caption_path.name}; "
+                f"add one (it may be empty) or remove the image"
+            )
+        caption = _with_trigger(_read_caption(caption_path), trigger)
+        size = _open_rgb(image_path).size
+        if not enable_bucket:
+            bucket = fixed_size
+        else:
+            try:
+                bucket = choose_bucket(size, resolution, no_upscale=bucket_no_upscale)
+            except ValueError as error:
+                raise DatasetError(f"image {image_path}: {error}; use a larger image") from error
+        items.extend(ImageItem(image_path, caption, bucket, batch_size) for _ in range(repeats))
+    return items
+
+
+# ---------------------------------------------------------------- musubi-tuner TOML
+
+_TOML_KEYS = {"caption_extension", "resolution", "batch_size", "num_repeats", "enable_bucket", "bucket_no_upscale"}
+_DATASET_ONLY_KEYS = {"image_directory"}
+_IGNORED_KEYS = {"cache_directory", "debug_dataset"}  # musubi's own cache and debug view; not ours
+_UNSUPPORTED_KEYS = {
+    "image_jsonl_file", "video_directory", "video_jsonl_file", "control_directory",
+    "target_frames", "frame_extraction", "frame_stride", "frame_sample", "max_frames", "source_fps",
+}
+_DEFAULTS = {
+    "caption_extension": ".txt", "resolution": (960, 544), "batch_size": 1, "num_repeats": 1,
+    "enable_bucket": False, "bucket_no_upscale": False,
+}
+
+
+def _check_table_keys(table: dict, allowed: set[str], where: str) -> None:
+    for key in table:
+        if key in _UNSUPPORTED_KEYS:
+            raise DatasetError(f"{where}: {key!r} is not supported by UGPUM (images only); remove it")
+        if key not in allowed | _IGNORED_KEYS:
+            raise DatasetError(
+                f"{where}: unknown key {key!r}; allowed keys are {', '.join(sorted(allowed))}"
+            )
+
+
+def load_musubi_toml(path: Path | str, trigger: str = "") -> list[ImageItem]:
+    """Items of every [[datasets]] entry of a musubi-tuner dataset TOML, in order.
+
+    [general] sets defaults that each dataset may override. Defaults follow musubi-tuner:
+    resolution [960, 544], no bucketing. A relative image_directory is taken from the TOML's folder.
+    """
+    path = Path(path)
+    try:
+        config = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError as error:
+        raise DatasetError(f"dataset config {path} does not exist; check the path") from error
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
+        raise DatasetError(f"dataset config {path} is not valid TOML: {error}") from error
+
+    for key in config:
+        if key not in ("general", "datasets"):
+            raise DatasetError(f"dataset config {path}: unknown section {key!r}; use [general] and [[datasets]]")
+    general = config.get("general", {})
+    datasets = config.get("datasets", [])
+    if not isinstance(general, dict):
+        raise DatasetError(f"dataset config {path}: [general] must be a table")
+    if not isinstance(datasets, list) or not datasets or not all(isinstance(d, dict) for d in datasets):
+        raise DatasetError(f"dataset config {path}: needs at least one [[datasets]] table with image_directory")
+    _check_table_keys(general, _TOML_KEYS, f"dataset config {path} [general]")
+
+    items = []
+    for index, dataset in enumerate(datasets):
+        where = f"dataset config {path} [[datasets]] #{index + 1}"
+        _check_table_keys(dataset, _TOML_KEYS | _DATASET_ONLY_KEYS, where)
+        settings = {**_DEFAULTS, **general, **dataset}
+        directory = settings.get("image_directory")
+        if not isinstance(directory, str) or not directory:
+            raise DatasetError(f"{where}: image_directory is missing; set it to the image folder")
+        caption_ext = _check_caption_ext(settings["caption_extension"], where)
+        resolution = _check_resolution(settings["resolution"], where)
+        items += load_image_folder(
+            path.parent / directory,  # an absolute directory replaces the base
+            caption_ext=caption_ext,
+            resolution=resolution,
+            repeats=_check_positive_int(settings["num_repeats"], "num_repeats", where),
+            trigger=trigger,
+            enable_bucket=_check_bool(settings["enable_bucket"], "enable_bucket", where),
+            bucket_no_upscale=_check_bool(settings["bucket_no_upscale"], "bucket_no_upscale", where),
+            batch_size=_check_positive_int(settings["batch_size"], "batch_size", where),
+        )
+    return items
+
+
+# ---------------------------------------------------------------- pixels and captions
+
+
+def load_bucketed_image(item: ImageItem) -> torch.Tensor:
+    """The image as a [3, H, W] float tensor in [-1, 1], H x W = the item's bucket.
+
+    Scaled (aspect kept) until it covers the bucket, then centre-cropped: no stretching.
+    """
+    image = _open_rgb(item.path)
+    bucket_width, bucket_height = item.bucket
+    scale = max(bucket_width / image.width, bucket_height / image.height)
+    resized_size = (
+        max(bucket_width, round(image.width * scale)),
+        max(bucket_height, round(image.height * scale)),
+    )
+    if resized_size != image.size:
+        image = image.resize(resized_size, Image.Resampling.LANCZOS)
+    left = (image.width - bucket_width) // 2
+    top = (image.height - bucket_height) // 2
+    image = image.crop((left, top, left + bucket_width, top + bucket_height))
+    pixels = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8)
+    pixels = pixels.view(bucket_height, bucket_width, 3).permute(2, 0, 1)
+    return pixels.float() / 127.5 - 1.0
+
+
+def caption_dropout(caption: str, rate: float, rng: random.Random) -> str:
+    """"" with probability `rate` (trains the unconditional case for CFG), else `caption`."""
+    if not 0.0 <= rate <= 1.0:
+        raise ValueError(f"caption dropout rate must be between 0 and 1, got {rate}")
+    return "" if rng.random() < rate else caption

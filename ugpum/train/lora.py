@@ -1,0 +1,92 @@
+"""LoRA adapters on a model's Linear layers, added as forward hooks (the base module is untouched).
+
+Each adapter lives on its layer's device, keeps fp32 master weights, and adds
+`(alpha / rank) * B(A(x))` to the layer's output. B starts at zero, so a fresh LoRA changes nothing.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+class LoraAdapter(nn.Module):
+    def __init__(self, in_features: int, out_features: int, rank: int, alpha: float,
+                 device: torch.device, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.rank, self.alpha = rank, alpha
+        self.A = nn.Parameter(torch.empty(rank, in_features, device=device, dtype=dtype))
+        self.B = nn.Parameter(torch.zeros(out_features, rank, device=device, dtype=dtype))
+        nn.init.kaiming_uniform_(self.A, a=math.sqrt(5))
+        self.strength = 1.0
+
+    @property
+    def scale(self) -> float:
+        return self.strength * self.alpha / self.rank
+
+    def delta(self, x: torch.Tensor) -> torch.Tensor:
+        compute = x.dtype if not torch.is_autocast_enabled(x.device.type) else None
+        a = self.A if compute is None else self.A.to(compute)
+        b = self.B if compute is None else self.B.to(compute)
+        return (x @ a.t()) @ b.t() * self.scale
+
+
+class LoraSet(nn.Module):
+    """All adapters of one model, keyed by the Linear's module path (ComfyUI's names)."""
+
+    def __init__(self):
+        super().__init__()
+        self.adapters = nn.ModuleDict()
+        self._paths: dict[str, str] = {}
+        self._handles: list = []
+
+    @staticmethod
+    def _key(path: str) -> str:
+        return path.replace(".", "__")          # ModuleDict keys may not contain dots
+
+    def add(self, model: nn.Module, path: str, rank: int, alpha: float, dtype=torch.float32) -> LoraAdapter:
+        layer = model.get_submodule(path)
+        if not isinstance(layer, nn.Linear):
+            raise TypeError(f"LoRA target {path} is a {type(layer).__name__}, not a Linear")
+        adapter = LoraAdapter(layer.in_features, layer.out_features, rank, alpha, layer.weight.device, dtype)
+        self.adapters[self._key(path)] = adapter
+        self._paths[self._key(path)] = path
+        self._handles.append(layer.register_forward_hook(lambda _m, args, out: out + adapter.delta(args[0])))
+        return adapter
+
+    def items(self):
+        for key, adapter in self.adapters.items():
+            yield self._paths[key], adapter
+
+    def set_strength(self, strength: float) -> None:
+        for _, a in self.items():
+            a.strength = strength
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def tensors(self) -> dict[str, dict[str, torch.Tensor]]:
+        return {p: {"A": a.A.detach(), "B": a.B.detach(), "alpha": a.alpha} for p, a in self.items()}
+
+
+def lora_targets(block_paths: list[str], linears_by_block: list[tuple], include: tuple[str, ...] = ()) -> list[str]:
+    """Full module paths of every LoRA target; `include` filters by substring of the relative path."""
+    out = []
+    for block, linears in zip(block_paths, linears_by_block):
+        for lin in linears:
+            if not include or any(s in lin.path for s in include):
+                out.append(f"{block}.{lin.path}")
+    return out
+
+
+def attach_lora(model: nn.Module, targets: list[str], rank: int, alpha: float, dtype=torch.float32) -> LoraSet:
+    """Freeze the model and add one adapter per target, each on its layer's device."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    lora = LoraSet()
+    for path in targets:
+        lora.add(model, path, rank, alpha, dtype)
+    return lora
