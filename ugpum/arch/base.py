@@ -54,6 +54,7 @@ class ArchSpec:
     guidance: bool = False
     distilled: bool = False      # sampling defaults: 4 steps / no CFG when distilled
     tail_modules: tuple[str, ...] = ()   # run after the blocks: placed with the last stage
+    timestep_scale: float = 1.0          # ComfyUI's models take sigma (FLUX) or sigma x 1000 (Wan)
     notes: tuple[str, ...] = field(default_factory=tuple)
 
     @property

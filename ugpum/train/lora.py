@@ -13,12 +13,13 @@ from torch import nn
 
 class LoraAdapter(nn.Module):
     def __init__(self, in_features: int, out_features: int, rank: int, alpha: float,
-                 device: torch.device, dtype: torch.dtype = torch.float32):
+                 device: torch.device, dtype: torch.dtype = torch.float32, generator: torch.Generator | None = None):
         super().__init__()
         self.rank, self.alpha = rank, alpha
-        self.A = nn.Parameter(torch.empty(rank, in_features, device=device, dtype=dtype))
+        a = torch.empty(rank, in_features, dtype=dtype)
+        nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)   # drawn on the CPU: same on any device
+        self.A = nn.Parameter(a.to(device))
         self.B = nn.Parameter(torch.zeros(out_features, rank, device=device, dtype=dtype))
-        nn.init.kaiming_uniform_(self.A, a=math.sqrt(5))
         self.strength = 1.0
 
     @property
@@ -45,11 +46,13 @@ class LoraSet(nn.Module):
     def _key(path: str) -> str:
         return path.replace(".", "__")          # ModuleDict keys may not contain dots
 
-    def add(self, model: nn.Module, path: str, rank: int, alpha: float, dtype=torch.float32) -> LoraAdapter:
+    def add(self, model: nn.Module, path: str, rank: int, alpha: float, dtype=torch.float32,
+            generator: torch.Generator | None = None) -> LoraAdapter:
         layer = model.get_submodule(path)
         if not isinstance(layer, nn.Linear):
             raise TypeError(f"LoRA target {path} is a {type(layer).__name__}, not a Linear")
-        adapter = LoraAdapter(layer.in_features, layer.out_features, rank, alpha, layer.weight.device, dtype)
+        adapter = LoraAdapter(layer.in_features, layer.out_features, rank, alpha, layer.weight.device, dtype,
+                              generator)
         self.adapters[self._key(path)] = adapter
         self._paths[self._key(path)] = path
         self._handles.append(layer.register_forward_hook(lambda _m, args, out: out + adapter.delta(args[0])))
@@ -82,11 +85,14 @@ def lora_targets(block_paths: list[str], linears_by_block: list[tuple], include:
     return out
 
 
-def attach_lora(model: nn.Module, targets: list[str], rank: int, alpha: float, dtype=torch.float32) -> LoraSet:
-    """Freeze the model and add one adapter per target, each on its layer's device."""
+def attach_lora(model: nn.Module, targets: list[str], rank: int, alpha: float, dtype=torch.float32,
+                seed: int = 0) -> LoraSet:
+    """Freeze the model and add one adapter per target, each on its layer's device, initialised
+    from `seed` (the same LoRA whatever the placement)."""
     for p in model.parameters():
         p.requires_grad_(False)
     lora = LoraSet()
+    g = torch.Generator().manual_seed(seed)
     for path in targets:
-        lora.add(model, path, rank, alpha, dtype)
+        lora.add(model, path, rank, alpha, dtype, g)
     return lora

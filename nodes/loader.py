@@ -1,0 +1,69 @@
+"""UGPUM Loader: pick a DiT file from ComfyUI's diffusion_models; read its header (never its weights)."""
+from __future__ import annotations
+
+import os
+
+import folder_paths
+from comfy_api.latest import io, ui
+
+from ugpum.arch import recognise
+from ugpum.devices import parse_device_specs
+
+from .errors import UGPUMError, user_errors
+from .types import UGPUM_MODEL, UGPUMModel
+
+NODE = "UGPUM Loader"
+AS_STORED = "as stored"
+WEIGHT_DTYPES = {AS_STORED: None, "bf16": "bf16", "fp8_e4m3fn": "fp8"}   # widget -> Workload dtype
+
+
+def dit_files() -> list[str]:
+    """Safetensors files ComfyUI lists under diffusion_models (also models/unet)."""
+    return [f for f in folder_paths.get_filename_list("diffusion_models") if f.lower().endswith(".safetensors")]
+
+
+def device_specs(text: str) -> tuple[str, ...]:
+    specs = tuple(s.strip() for s in text.split(",") if s.strip())
+    return specs or ("auto",)
+
+
+class UGPUMLoader(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="UGPUMLoader",
+            display_name="UGPUM Loader",
+            category="UGPUM",
+            description="Names a FLUX.2 or Wan 2.1 diffusion model for multi-GPU LoRA training. Reads the "
+                        "file's header only: the Partition Planner decides where each block goes before "
+                        "any weight is loaded.",
+            inputs=[
+                io.Combo.Input("dit_name", options=dit_files(), display_name="diffusion model",
+                               tooltip="A .safetensors file from models/diffusion_models (FLUX.2 [klein] "
+                                       "or [dev], Wan 2.1). Train on the base (undistilled) model."),
+                io.Combo.Input("weight_dtype", options=list(WEIGHT_DTYPES), default=AS_STORED,
+                               tooltip="How the frozen base weights are held on the GPUs. fp8 halves their "
+                                       "memory; the LoRA itself always trains in fp32."),
+                io.String.Input("devices", default="auto",
+                                tooltip="'auto' for every CUDA GPU here, or a comma list: cuda:0, cuda:1. "
+                                        "To forecast hardware you do not have: rtx4090, 16GiB@pcie4x4."),
+            ],
+            outputs=[UGPUM_MODEL.Output("UGPUM_MODEL", display_name="model")],
+        )
+
+    @classmethod
+    def execute(cls, dit_name: str, weight_dtype: str, devices: str) -> io.NodeOutput:
+        if weight_dtype not in WEIGHT_DTYPES:
+            raise UGPUMError(f"{NODE}: unknown weight dtype {weight_dtype!r}; choose one of {', '.join(WEIGHT_DTYPES)}.")
+        path = folder_paths.get_full_path("diffusion_models", dit_name)
+        if path is None or not os.path.isfile(path):
+            raise UGPUMError(f"{NODE}: '{dit_name}' is not in models/diffusion_models any more; "
+                             "refresh the list (press R) and pick a file that exists.")
+        specs = device_specs(devices)
+        with user_errors(NODE, dit_name):
+            spec, prefix, stored = recognise(path)
+            parse_device_specs(list(specs), probe=False)   # a typo is reported here, not three nodes later
+        model = UGPUMModel(family=spec.family, model_id=spec.id, title=spec.title, path=os.path.abspath(path),
+                           file_name=dit_name, key_prefix=prefix, stored_dtype=stored,
+                           weight_dtype=WEIGHT_DTYPES[weight_dtype] or stored, devices=specs, spec=spec)
+        return io.NodeOutput(model, ui=ui.PreviewText(model.describe()))

@@ -1,0 +1,287 @@
+"""The node pack inside a real ComfyUI server (tests/comfy_server.py): it imports cleanly, /object_info
+shows the four nodes as declared, Loader -> Planner runs on real-format files, errors reach the user
+as sentences, and the bundled workflow only uses nodes and widget values the server accepts."""
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+
+from comfy_server import PACK_DIR_NAME, REPO, comfy_server_factory, execution_error  # noqa: F401  (fixture)
+from comfy_models import flux2_state_dict_keys
+
+WORKFLOW = REPO / "example_workflows" / "ugpum_klein9b_lora.json"
+TINY_FILE = "tiny-flux2.safetensors"
+KLEIN_BASE_FILE = "flux-2-klein-base-9b-fp8.safetensors"      # header only, sparse
+KLEIN_FILE = "flux-2-klein-9b-fp8.safetensors"                # header only, sparse
+BROKEN_FILE = "not-a-model.safetensors"
+TEXT_ENCODER_FILE = "qwen_3_8b_fp8mixed.safetensors"          # names only: combos must list them
+VAE_FILE = "flux2-vae.safetensors"
+
+# The contract of the four nodes: inputs (required, optional) as name -> type, outputs as (type, name).
+NODE_CONTRACT = {
+    "UGPUMLoader": dict(
+        required={"dit_name": "COMBO", "weight_dtype": "COMBO", "devices": "STRING"}, optional={},
+        outputs=[("UGPUM_MODEL", "model")], output_node=False),
+    "UGPUMPartitionPlanner": dict(
+        required={"model": "UGPUM_MODEL", "resolution": "INT", "batch": "INT", "grad_accum": "INT",
+                  "rank": "INT", "checkpointing": "COMBO"},
+        optional={"frames": "INT", "manual_split": "STRING"},
+        outputs=[("UGPUM_PLAN", "plan"), ("STRING", "report")], output_node=True),
+    "UGPUMLoRATrainer": dict(
+        required={"model": "UGPUM_MODEL", "plan": "UGPUM_PLAN", "clip": "CLIP", "vae": "VAE",
+                  "dataset": "COMBO", "trigger_word": "STRING", "steps": "INT", "learning_rate": "FLOAT",
+                  "alpha": "FLOAT", "seed": "INT", "sample_prompt": "STRING", "sample_every": "INT",
+                  "save_name": "STRING"},
+        optional={},
+        outputs=[("LORA_MODEL", "lora"), ("STRING", "lora file"), ("IMAGE", "loss curve"),
+                 ("IMAGE", "before / after")], output_node=True),
+    "UGPUMSamplePreview": dict(
+        required={"model": "UGPUM_MODEL", "plan": "UGPUM_PLAN", "clip": "CLIP", "vae": "VAE",
+                  "prompt": "STRING", "seed": "INT", "steps": "INT", "width": "INT", "height": "INT"},
+        optional={"lora": "LORA_MODEL", "strength": "FLOAT", "before_and_after": "BOOLEAN"},
+        outputs=[("IMAGE", "images")], output_node=True),
+}
+
+
+# ------------------------------------------------------------------------------------ model files
+
+def _file_key(key: str) -> str:
+    """ComfyUI 0.33 names the q/k RMSNorm scales '.weight'; FLUX.2 files store them as '.scale'."""
+    if key.endswith(("query_norm.weight", "key_norm.weight")):
+        return key[: -len("weight")] + "scale"
+    return key
+
+
+def write_tiny_flux2(path: Path, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> None:
+    """A real-format tiny FLUX.2 file: ComfyUI's own module's state dict, seeded random values."""
+    from comfy_bridge import build_meta, init_random
+    from ugpum.arch import get_spec
+    from ugpum.safetensors_writer import write_streaming
+
+    module = build_meta(get_spec("tiny-flux2"), torch.float32).to_empty(device="cpu")
+    init_random(module, seed)
+    tensors = {_file_key(k): v for k, v in module.state_dict().items()}
+    shapes = {k: (tuple(v.shape), dtype if v.is_floating_point() else v.dtype) for k, v in tensors.items()}
+    write_streaming(path, shapes, lambda name, shape, dt: tensors[name])
+
+
+def write_header_only(path: Path, tensors: dict[str, tuple[str, tuple[int, ...]]]) -> None:
+    """A safetensors file with a real header and a sparse (unwritten) data section of the right size."""
+    sizes = {"F8_E4M3": 1, "BF16": 2, "F32": 4}
+    header, offset = {}, 0
+    for name, (dtype, shape) in tensors.items():
+        n = sizes[dtype]
+        for s in shape:
+            n *= s
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        f.truncate(8 + len(raw) + offset)
+
+
+def klein9b_fp8_header() -> dict[str, tuple[str, tuple[int, ...]]]:
+    return {k: ("F8_E4M3" if "blocks." in k and len(s) == 2 else "BF16", s)
+            for k, s in flux2_state_dict_keys("klein-9b").items()}
+
+
+def prepare_models(models: Path, input_dir: Path) -> None:
+    write_tiny_flux2(models / "diffusion_models" / TINY_FILE)
+    write_header_only(models / "diffusion_models" / KLEIN_BASE_FILE, klein9b_fp8_header())
+    write_header_only(models / "diffusion_models" / KLEIN_FILE, klein9b_fp8_header())
+    (models / "diffusion_models" / BROKEN_FILE).write_bytes(b"this is not a safetensors file")
+    (models / "text_encoders" / TEXT_ENCODER_FILE).write_bytes(b"")
+    (models / "vae" / VAE_FILE).write_bytes(b"")
+
+
+@pytest.fixture(scope="module")
+def server(comfy_server_factory):
+    return comfy_server_factory(prepare=prepare_models)
+
+
+# ------------------------------------------------------------------------------------ helpers
+
+def loader(name: str, devices: str = "auto", dtype: str = "as stored") -> dict:
+    return {"class_type": "UGPUMLoader", "inputs": {"dit_name": name, "weight_dtype": dtype, "devices": devices}}
+
+
+def planner(model_ref: list, resolution: int = 1024, **kw) -> dict:
+    inputs = dict(model=model_ref, resolution=resolution, batch=1, grad_accum=1, rank=16, checkpointing="block")
+    inputs.update(kw)
+    return {"class_type": "UGPUMPartitionPlanner", "inputs": inputs}
+
+
+def ui_text(entry: dict, node_id: str) -> str:
+    return "\n".join(entry["outputs"][node_id]["text"])
+
+
+def assert_success(entry: dict, server) -> None:
+    error = execution_error(entry)
+    assert error is None and entry["status"]["status_str"] == "success", (
+        json.dumps(error, indent=1) if error else json.dumps(entry["status"], indent=1)) + "\n" + server.log_tail()
+
+
+# ------------------------------------------------------------------------------------ tests
+
+def test_pack_imports_cleanly(server):
+    log = server.log()
+    assert PACK_DIR_NAME in log, "ComfyUI did not list the pack in its custom-node import times:\n" + log[-3000:]
+    for line in log.splitlines():
+        if PACK_DIR_NAME in line:
+            assert "IMPORT FAILED" not in line, log[-6000:]
+    assert "Cannot import" not in log and "Traceback" not in log, log[-6000:]
+    assert "ugpum_comfyui/pyproject.toml" not in log
+
+
+def test_object_info_lists_the_four_nodes(server):
+    info = server.object_info()
+    for node_id, contract in NODE_CONTRACT.items():
+        assert node_id in info, f"{node_id} missing from /object_info"
+        node = info[node_id]
+        assert node["category"] == "UGPUM" and node["display_name"].startswith("UGPUM ")
+        assert node["description"]
+        for section in ("required", "optional"):
+            declared = node["input"].get(section, {})
+            assert list(declared) == list(contract[section]), (node_id, section, list(declared))
+            assert node["input_order"].get(section, []) == list(contract[section])
+            for name, kind in contract[section].items():
+                assert declared[name][0] == kind, (node_id, name, declared[name][0])
+        assert list(zip(node["output"], node["output_name"])) == contract["outputs"], node_id
+        assert node["output_node"] is contract["output_node"], node_id
+    loader_info = info["UGPUMLoader"]["input"]["required"]
+    assert TINY_FILE in loader_info["dit_name"][1]["options"]
+    assert BROKEN_FILE in loader_info["dit_name"][1]["options"]       # the list is not pre-filtered by content
+    assert loader_info["weight_dtype"][1]["options"] == ["as stored", "bf16", "fp8_e4m3fn"]
+    datasets = info["UGPUMLoRATrainer"]["input"]["required"]["dataset"][1]["options"]
+    assert {"demo/loranne", "demo/rolwayne"} <= set(datasets)
+
+
+def test_loader_and_planner_on_a_tiny_flux2_file(server):
+    prompt = {"1": loader(TINY_FILE, dtype="bf16"),
+              "2": planner(["1", 0], resolution=256, grad_accum=2, rank=4)}
+    entry = server.run(prompt, timeout=90)
+    assert_success(entry, server)
+    described = ui_text(entry, "1")
+    assert "tiny-flux2" in described and "5 blocks (2 double, 3 single)" in described
+    report = ui_text(entry, "2")
+    assert report.startswith("tiny-flux2  256x256  batch 1  grad-accum 2  rank 4  bf16  checkpointing block")
+    assert "forecast / budget GiB" in report and "predicted:" in report and "s/step" in report
+    assert "double_blocks.0" in report and "single_blocks.2" in report   # all 5 blocks are placed
+
+
+def test_planner_forecasts_klein9b_for_described_gpus(server):
+    """A full-size klein 9B header (sparse file) planned for two RTX 4090s that are not here."""
+    entry = server.run({"1": loader(KLEIN_BASE_FILE, devices="rtx4090, rtx4090"),
+                        "2": planner(["1", 0], grad_accum=4)}, timeout=90)
+    assert_success(entry, server)
+    assert "flux2-klein-base-9b" in ui_text(entry, "1") and "weights fp8" in ui_text(entry, "1")
+    report = ui_text(entry, "2")
+    assert report.startswith("flux2-klein-base-9b  1024x1024  batch 1  grad-accum 4  rank 16  fp8")
+    assert report.count("rtx4090") >= 3                       # two stages + the one-GPU swap line
+    assert "Split over 2 GPUs" in report and "one GPU with swap" in report
+
+
+@pytest.mark.parametrize("prompt, node, expected", [
+    ({"1": loader(BROKEN_FILE), "2": planner(["1", 0])}, "1",
+     f"UGPUM Loader: Cannot read '{BROKEN_FILE}' as a safetensors file"),
+    ({"1": loader(KLEIN_BASE_FILE, devices="8GiB"), "2": planner(["1", 0], checkpointing="none")}, "2",
+     "Partition Planner: flux2-klein-base-9b does not fit on 1 device(s)"),
+    ({"1": loader(TINY_FILE, devices="rtx4090, gtx9000"), "2": planner(["1", 0])}, "1",
+     "UGPUM Loader: unknown device spec 'gtx9000'"),
+], ids=["not-safetensors", "does-not-fit", "device-typo"])
+def test_errors_reach_the_user_as_sentences(server, prompt, node, expected):
+    entry = server.run(prompt, timeout=60)
+    error = execution_error(entry)
+    assert error is not None, json.dumps(entry["status"], indent=1)
+    assert error["node_id"] == node and error["exception_type"].endswith("UGPUMError"), error
+    message = error["exception_message"]
+    assert message.startswith(expected), message
+    assert "\n" not in message.strip() and message.strip().endswith("."), message
+
+
+# ------------------------------------------------------------------------------------ workflow
+
+FRONTEND_ONLY = {"Note", "MarkdownNote", "Reroute", "PrimitiveNode"}
+WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
+CONTROL_VALUES = {"fixed", "increment", "decrement", "randomize"}
+
+
+def widget_inputs(node_info: dict) -> list[tuple[str, str, dict]]:
+    """(name, type, options) of every input the frontend shows as a widget, in widgets_values order."""
+    out = []
+    for section in ("required", "optional"):
+        for name in node_info["input_order"].get(section, []):
+            kind, *rest = node_info["input"][section][name]
+            opts = rest[0] if rest else {}
+            if isinstance(kind, list):                      # old-style combo: the options list itself
+                kind, opts = "COMBO", dict(opts, options=kind)
+            if kind in WIDGET_TYPES and not opts.get("forceInput"):
+                out.append((name, kind, opts))
+    return out
+
+
+def has_control_widget(name: str, opts: dict) -> bool:
+    # the frontend adds a "control after generate" value after seeds (explicitly, or by legacy name)
+    return bool(opts.get("control_after_generate", name in ("seed", "noise_seed")))
+
+
+def check_widget(node_type: str, name: str, kind: str, opts: dict, value) -> None:
+    where = f"{node_type}.{name} = {value!r}"
+    if kind == "COMBO":
+        assert value in opts["options"], f"{where}: not one of {opts['options'][:20]}"
+    elif kind == "INT":
+        assert isinstance(value, int) and not isinstance(value, bool), where
+    elif kind == "FLOAT":
+        assert isinstance(value, (int, float)) and not isinstance(value, bool), where
+    elif kind == "STRING":
+        assert isinstance(value, str), where
+    elif kind == "BOOLEAN":
+        assert isinstance(value, bool), where
+    if kind in ("INT", "FLOAT"):
+        assert opts.get("min", value) <= value <= opts.get("max", value), f"{where}: outside [{opts.get('min')}, {opts.get('max')}]"
+
+
+def test_example_workflow_uses_existing_nodes_with_valid_widget_values(server):
+    workflow = json.loads(WORKFLOW.read_text())
+    info = server.object_info()
+    nodes = {n["id"]: n for n in workflow["nodes"]}
+    types = {n["type"] for n in nodes.values()}
+    assert set(NODE_CONTRACT) <= types
+    assert {"CLIPLoader", "VAELoader", "UNETLoader", "LoraModelLoader", "VAEDecode", "SaveImage"} <= types
+    for node in nodes.values():
+        if node["type"] in FRONTEND_ONLY:
+            continue
+        assert node["type"] in info, f"node type {node['type']} is not known to this ComfyUI"
+        spec = info[node["type"]]
+        values = list(node.get("widgets_values") or [])
+        expected = []
+        for name, kind, opts in widget_inputs(spec):
+            expected.append((name, kind, opts))
+            if kind == "INT" and has_control_widget(name, opts):
+                expected.append((name + ":control", "CONTROL", {}))
+        assert len(values) == len(expected), (node["type"], values, [e[0] for e in expected])
+        for (name, kind, opts), value in zip(expected, values):
+            if kind == "CONTROL":
+                assert value in CONTROL_VALUES, (node["type"], name, value)
+            else:
+                check_widget(node["type"], name, kind, opts, value)
+    # every link joins an output to an input of the same type, at slots that exist
+    for link_id, origin, origin_slot, target, target_slot, kind in workflow["links"]:
+        out_types = info[nodes[origin]["type"]]["output"]
+        assert out_types[origin_slot] == kind, (link_id, out_types, kind)
+        target_input = nodes[target]["inputs"][target_slot]
+        assert target_input["link"] == link_id and target_input["type"] == kind, (link_id, target_input)
+        spec = info[nodes[target]["type"]]["input"]
+        declared = {**spec.get("required", {}), **spec.get("optional", {})}[target_input["name"]][0]
+        assert declared == kind, (link_id, target_input["name"], declared, kind)
+        assert link_id in nodes[origin]["outputs"][origin_slot]["links"]
+    # the trained LoRA feeds the stock LoRA loader of the inference branch
+    lora_links = [l for l in workflow["links"] if l[5] == "LORA_MODEL"]
+    assert {nodes[l[3]]["type"] for l in lora_links} >= {"LoraModelLoader", "UGPUMSamplePreview"}
+    assert all(nodes[l[1]]["type"] == "UGPUMLoRATrainer" for l in lora_links)

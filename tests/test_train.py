@@ -1,0 +1,181 @@
+"""The training engine on tiny models (CPU): learning, exact resume, split = unsplit, cache, errors,
+and the written LoRA loading through ComfyUI's own LoRA code."""
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from comfy_bridge import find_comfyui
+from ugpum.train.checkpoint import latest_checkpoint
+from ugpum.train.config import ConfigError, load_config
+from ugpum.train.dataset import DatasetError
+from ugpum.train.loop import train
+
+pytestmark = pytest.mark.skipif(find_comfyui() is None, reason="needs ComfyUI's model classes")
+DATASET = Path(__file__).resolve().parent.parent / "demo_datasets" / "loranne"
+QUIET = dict(log=lambda *a: None)
+
+
+def cfg(profile="tiny-flux2", **kw):
+    base = dict(dataset=str(DATASET), devices=["cpu"], trigger="loranne", sample_every=0)
+    base.update(kw)
+    return load_config(profile, overrides=base)
+
+
+def lora_tensors(path):
+    return load_file(str(path))
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("full")
+    return train(cfg(steps=50, save_every=10), out, **QUIET), out
+
+
+def test_loss_falls_clearly_over_50_steps(full_run):
+    result, out = full_run
+    assert result.validation_after < 0.9 * result.validation_before
+    lines = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [l["step"] for l in lines] == list(range(1, 51))
+    assert all({"step", "loss", "seconds"} <= set(l) for l in lines)
+
+
+def test_output_folder_holds_lora_metrics_and_checkpoints(full_run):
+    result, out = full_run
+    tensors = lora_tensors(result.lora_path)
+    assert any(k.startswith("diffusion_model.double_blocks.0.img_attn.qkv.lora_A") for k in tensors)
+    assert latest_checkpoint(out).name == "step_000050"
+    assert not list(out.glob("**/.tmp*"))
+
+
+def test_interrupted_then_resumed_run_ends_with_the_same_lora(full_run, tmp_path):
+    reference, _ = full_run
+    calls = {"n": 0}
+
+    def interrupt_at_step_23():
+        calls["n"] += 1
+        if calls["n"] > 23:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg(steps=50, save_every=10), tmp_path, check_interrupt=interrupt_at_step_23, **QUIET)
+    assert latest_checkpoint(tmp_path).name == "step_000023"       # saved on the way out
+    assert (tmp_path / "ugpum_lora_step23.safetensors").is_file()
+    resumed = train(cfg(steps=50, save_every=10), tmp_path, resume=True, **QUIET)
+    a, b = lora_tensors(reference.lora_path), lora_tensors(resumed.lora_path)
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)
+    steps = [json.loads(l)["step"] for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 51))
+
+
+def test_split_over_two_devices_gives_the_same_lora(tmp_path):
+    one = train(cfg(steps=6), tmp_path / "one", **QUIET)
+    two = train(cfg(steps=6, devices=["cpu", "cpu"]), tmp_path / "two", **QUIET)
+    assert [s.blocks for s in two.plan.stages][0][1] < 5                # really two stages
+    a, b = lora_tensors(one.lora_path), lora_tensors(two.lora_path)
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-6, atol=1e-7)
+
+
+def test_second_run_hits_the_cache(tmp_path):
+    cache = tmp_path / "cache"
+    first = train(cfg(steps=1, cache_dir=str(cache)), tmp_path / "a", **QUIET)
+    second = train(cfg(steps=1, cache_dir=str(cache)), tmp_path / "b", **QUIET)
+    assert first.cache_misses == 20 and first.cache_hits == 0        # 10 latents + 10 captions
+    assert second.cache_hits == 20 and second.cache_misses == 0
+    # a changed caption is a new key; the image latents stay valid
+    data = tmp_path / "data"
+    shutil.copytree(DATASET, data)
+    (data / "loranne_01.txt").write_text("loranne, something else entirely")
+    third = train(cfg(steps=1, cache_dir=str(cache), dataset=str(data)), tmp_path / "c", **QUIET)
+    assert third.cache_misses == 1 and third.cache_hits == 19
+
+
+def test_tiny_wan_trains(tmp_path):
+    result = train(cfg(profile="tiny-wan", steps=3), tmp_path, **QUIET)
+    assert result.steps_done == 3 and result.lora_path.is_file()
+    assert any(".self_attn.q.lora_A" in k for k in lora_tensors(result.lora_path))
+
+
+@pytest.mark.parametrize("setup, error, message", [
+    (lambda d: None, DatasetError, "no images"),
+    (lambda d: (d / "a.png").write_bytes(b"not a png"), DatasetError, "a.png"),
+])
+def test_bad_dataset_errors_name_the_file_and_leave_no_lora(tmp_path, setup, error, message):
+    data = tmp_path / "data"
+    data.mkdir()
+    setup(data)
+    if (data / "a.png").exists():
+        (data / "a.png.txt").write_text("x")
+        (data / "a.txt").write_text("caption")
+    with pytest.raises(error, match=message):
+        train(cfg(steps=2, dataset=str(data)), tmp_path / "out", **QUIET)
+    assert not list((tmp_path / "out").glob("*.safetensors"))
+
+
+def test_missing_caption_is_named(tmp_path):
+    data = tmp_path / "data"
+    shutil.copytree(DATASET, data)
+    (data / "loranne_03.txt").unlink()
+    with pytest.raises(DatasetError, match="loranne_03"):
+        train(cfg(steps=1, dataset=str(data)), tmp_path / "out", **QUIET)
+
+
+@pytest.mark.parametrize("override, name", [({"rank": 0}, "rank"), ({"lr_schedule": "linearish"}, "lr_schedule"),
+                                            ({"output_name": "../x"}, "output_name"), ({"typo_key": 1}, "typo_key")])
+def test_bad_settings_name_the_setting(override, name):
+    with pytest.raises(ConfigError, match=name):
+        load_config("tiny-flux2", overrides=override)
+
+
+def test_lora_loads_through_comfyui_and_patched_forward_matches(full_run):
+    """ComfyUI's own LoRA key mapping and weight patching reproduce the trained forward."""
+    import comfy.lora
+    from comfy_bridge import build_random
+    from ugpum.arch import get_spec
+    from ugpum.train.lora import attach_lora, lora_targets
+    result, _ = full_run
+    spec = get_spec("tiny-flux2")
+    c = cfg(steps=50)
+    model = build_random(spec, torch.float32, seed=c.seed)
+    sd = lora_tensors(result.lora_path)
+
+    class Holder(torch.nn.Module):        # the layout ComfyUI's key map reads: diffusion_model.<path>
+        def __init__(self, dm):
+            super().__init__()
+            self.diffusion_model = dm
+    holder = Holder(model)
+    key_map = {}
+    for k in holder.state_dict():
+        if k.endswith(".weight"):
+            key_map[k[:-len(".weight")]] = k
+    patches = comfy.lora.load_lora(sd, key_map, log_missing=False)
+    paths = {k[len("diffusion_model."):].rsplit(".lora_", 1)[0] for k in sd if ".lora_A" in k}
+    assert len(patches) == len(paths) == sum(len(b.linears) for b in spec.blocks)   # every key matched
+
+    x = torch.randn(1, 128, 4, 4)
+    ctx = torch.randn(1, 16, spec.context_dim)
+    t = torch.tensor([0.5])
+    # our forward: base + adapters loaded from the file
+    lora = attach_lora(model, lora_targets([b.path for b in spec.blocks], [b.linears for b in spec.blocks]),
+                       c.rank, c.alpha)
+    with torch.no_grad():
+        for path, a in lora.items():
+            a.A.copy_(sd[f"diffusion_model.{path}.lora_A.weight"])
+            a.B.copy_(sd[f"diffusion_model.{path}.lora_B.weight"])
+        ours = model(x, t, ctx, transformer_options={})
+    lora.remove()
+    # ComfyUI's: merge each patch into its weight with ComfyUI's calculate_weight
+    with torch.no_grad():
+        for key, patch in patches.items():
+            owner = holder.get_parameter(key)
+            merged = comfy.lora.calculate_weight([(1.0, patch, 1.0, None, None)], owner.data.clone(), key)
+            owner.copy_(merged)
+        theirs = model(x, t, ctx, transformer_options={})
+    torch.testing.assert_close(theirs, ours, rtol=1e-4, atol=1e-5)
+    assert (ours - model(x, t, ctx, transformer_options={})).abs().max() < 1e-4

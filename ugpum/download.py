@@ -1,0 +1,596 @@
+"""`python -m ugpum download`: put a profile's DiT, text encoder and VAE into ComfyUI's models/ folder.
+
+For each file of the profile (ugpum.models_catalog), in this order:
+1. already in ``models/<folder>/<name>``: nothing to do (no network);
+2. in the local Hugging Face cache (``$HF_HUB_CACHE``, ``$HF_HOME/hub`` or ``~/.cache/huggingface/hub``):
+   copied from there, checked against the hash the cache file is named by, without any network call;
+3. otherwise fetched from the Hub: size and SHA-256 from the Hub's metadata for the file, bytes
+   streamed with a progress bar into ``.<name>.part`` next to the final name, resumed from where
+   that partial file ends on the next run, checked, and only then renamed to the final name. An
+   interrupted or failed download never leaves a file under the name ComfyUI lists.
+
+Without network (or with ``HF_HUB_OFFLINE=1``) the command prints one message that lists every
+missing file, where it comes from and where to put it. Gated repositories (FLUX.2 [klein] 9B,
+FLUX.2 [dev]) get the licence to accept and the two ways to give a token.
+
+The byte source is injectable (`Source`): `HubSource` talks to the Hub through huggingface_hub
+(imported only when needed), `LocalFileSource` reads a file on disk (the cache, or a test's file).
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import http.client
+import json
+import os
+import re
+import shutil
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from . import models_catalog as catalog
+from .models_catalog import ModelFile
+
+CHUNK = 8 * 2**20
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+TOKEN_HELP = ("give a token: set HF_TOKEN=hf_... in the environment, or run `huggingface-cli login` "
+              "(`hf auth login` in newer huggingface_hub); create one at https://huggingface.co/settings/tokens")
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors
+
+
+class DownloadError(RuntimeError):
+    pass
+
+
+class NoNetwork(DownloadError):
+    """The Hub cannot be reached (offline mode, no route, DNS, proxy...)."""
+
+
+class AccessDenied(DownloadError):
+    """The Hub refused the file: a gated repository whose licence was not accepted, or no token."""
+
+    def __init__(self, message: str, gated: bool):
+        super().__init__(message)
+        self.gated = gated
+
+
+class NotOnHub(DownloadError):
+    """The repository exists but the file (or revision) does not: the catalog needs fixing."""
+
+
+class VerifyError(DownloadError):
+    """The bytes received do not match the size or SHA-256 the source announced."""
+
+
+class NotEnoughSpace(DownloadError):
+    pass
+
+
+# ---------------------------------------------------------------------------------------------
+# Sources
+
+
+@dataclass
+class Remote:
+    """What a source says about one file before sending it."""
+    size: int | None              # bytes, None if unknown
+    sha256: str | None            # hex digest, None if the source does not say
+    url: str                      # where the bytes come from (for messages)
+    commit: str | None = None     # the repository revision it was resolved at
+
+
+class Source(Protocol):
+    def describe(self, f: ModelFile) -> Remote: ...
+
+    def read(self, f: ModelFile, remote: Remote, offset: int) -> tuple[int, Iterator[bytes]]:
+        """(offset the bytes start at, chunks). A source that cannot seek returns 0."""
+
+
+class LocalFileSource:
+    """A file on disk (a Hugging Face cache blob, or a file a test provides)."""
+
+    def __init__(self, path: str | Path, sha256: str | None = None):
+        self.path = Path(path)
+        self.sha256 = sha256
+
+    def describe(self, f: ModelFile) -> Remote:
+        return Remote(self.path.stat().st_size, self.sha256, str(self.path))
+
+    def read(self, f: ModelFile, remote: Remote, offset: int) -> tuple[int, Iterator[bytes]]:
+        def chunks():
+            with open(self.path, "rb") as src:
+                src.seek(offset)
+                while block := src.read(CHUNK):
+                    yield block
+        return offset, chunks()
+
+
+def _hf():
+    try:
+        import huggingface_hub
+    except ImportError:
+        raise NoNetwork("the huggingface_hub package is not installed (pip install huggingface_hub)")
+    return huggingface_hub
+
+
+def _hf_error(name: str) -> type[BaseException]:
+    """An exception class of huggingface_hub by name, wherever this version keeps it."""
+    import importlib
+    for module in ("huggingface_hub.errors", "huggingface_hub.utils"):
+        try:
+            cls = getattr(importlib.import_module(module), name, None)
+        except ImportError:
+            continue
+        if isinstance(cls, type):
+            return cls
+    return type(f"_Missing{name}", (Exception,), {})  # never raised by this huggingface_hub
+
+
+def offline_requested() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in {"1", "on", "yes", "true"}
+
+
+def _is_network_failure(err: BaseException) -> bool:
+    """Connection refused, DNS, timeouts, proxies: whatever HTTP stack huggingface_hub uses."""
+    if isinstance(err, (ConnectionError, TimeoutError, urllib.error.URLError)):
+        return True
+    names = {c.__name__ for c in type(err).__mro__}
+    return bool(names & {"ConnectError", "ConnectionError", "NetworkError", "TransportError", "Timeout",
+                         "TimeoutException", "ConnectTimeout", "ReadTimeout", "ProxyError",
+                         "RemoteProtocolError", "ReadError", "gaierror"})
+
+
+class HubSource:
+    """The Hugging Face Hub, through huggingface_hub for metadata and plain HTTP range requests for
+    the bytes (so a partial file resumes from where it ends)."""
+
+    def __init__(self, endpoint: str | None = None, token: str | bool | None = None, timeout: float = 20.0):
+        self.endpoint = endpoint or os.environ.get("HF_ENDPOINT") or None
+        self.token = token        # None: HF_TOKEN or the login stored by `huggingface-cli login`
+        self.timeout = timeout
+
+    def describe(self, f: ModelFile) -> Remote:
+        if offline_requested():
+            raise NoNetwork("HF_HUB_OFFLINE is set")
+        hf = _hf()
+        url = hf.hf_hub_url(f.repo_id, f.path, revision=f.revision, endpoint=self.endpoint)
+        try:
+            meta = hf.get_hf_file_metadata(url, token=self.token, timeout=self.timeout,
+                                           endpoint=self.endpoint)
+        except _hf_error("GatedRepoError") as err:
+            raise AccessDenied(f"{f.repo_id} is gated: {_first_line(err)}", gated=True) from err
+        except _hf_error("RepositoryNotFoundError") as err:
+            raise AccessDenied(f"{f.repo_id}: repository not found or not accessible with the "
+                               f"current token ({_first_line(err)})", gated=f.gated) from err
+        except (_hf_error("EntryNotFoundError"), _hf_error("RevisionNotFoundError")) as err:
+            raise NotOnHub(f"{f.repo_id} has no {f.path} at {f.revision}: {_first_line(err)}") from err
+        except _hf_error("OfflineModeIsEnabled") as err:
+            raise NoNetwork("HF_HUB_OFFLINE is set") from err
+        except Exception as err:
+            if _is_network_failure(err):
+                raise NoNetwork(f"cannot reach {url}: {_first_line(err)}") from err
+            raise DownloadError(f"{url}: {_first_line(err)}") from err
+        etag = (meta.etag or "").strip('"').lower()
+        return Remote(size=meta.size, sha256=etag if _SHA256.match(etag) else None,
+                      url=meta.location or url, commit=meta.commit_hash)
+
+    def _headers(self, url: str) -> dict[str, str]:
+        # Send the token only to the Hub itself, never to the storage host a large file redirects to.
+        hub = urllib.parse.urlsplit(self.endpoint or "https://huggingface.co").netloc
+        if urllib.parse.urlsplit(url).netloc != hub:
+            return {}
+        try:
+            from huggingface_hub.utils import build_hf_headers
+            return dict(build_hf_headers(token=self.token))
+        except Exception:
+            return {}
+
+    def read(self, f: ModelFile, remote: Remote, offset: int) -> tuple[int, Iterator[bytes]]:
+        headers = self._headers(remote.url)
+        if offset:
+            headers["Range"] = f"bytes={offset}-"
+        request = urllib.request.Request(remote.url, headers=headers)
+        try:
+            response = urllib.request.urlopen(request, timeout=self.timeout)
+        except urllib.error.HTTPError as err:
+            if err.code == 416 and remote.size is not None and offset >= remote.size:
+                return offset, iter(())              # the partial file is already complete
+            raise DownloadError(f"{remote.url}: HTTP {err.code} {err.reason}") from err
+        except Exception as err:
+            if _is_network_failure(err):
+                raise NoNetwork(f"cannot reach {remote.url}: {_first_line(err)}") from err
+            raise
+        start = 0
+        if response.status == 206:
+            match = re.match(r"bytes (\d+)-", response.headers.get("Content-Range", ""))
+            start = int(match[1]) if match else 0
+
+        def chunks():
+            with response:
+                while block := response.read(CHUNK):
+                    yield block
+        return start, chunks()
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return next((line.strip() for line in text.splitlines() if line.strip()), type(err).__name__)
+
+
+# ---------------------------------------------------------------------------------------------
+# The local Hugging Face cache
+
+
+def hub_cache_dir() -> Path:
+    """The Hugging Face hub cache, resolved from the environment as huggingface_hub does."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "huggingface" / "hub"
+
+
+def find_in_hub_cache(f: ModelFile, cache_dir: Path | None = None) -> tuple[Path, str | None] | None:
+    """(path, sha256) of the file in the hub cache, or None. The cache layout is
+    ``models--<org>--<name>/refs/<revision>`` (a commit hash), ``snapshots/<commit>/<path>`` (a link
+    to ``blobs/<etag>``); for large files the etag is the content's SHA-256."""
+    repo = (cache_dir or hub_cache_dir()) / ("models--" + f.repo_id.replace("/", "--"))
+    commit = f.revision
+    ref = repo / "refs" / f.revision
+    if ref.is_file():
+        commit = ref.read_text().strip()
+    path = repo / "snapshots" / commit / f.path
+    if not path.is_file():
+        return None
+    blob_name = Path(os.path.realpath(path)).name.lower()
+    return path, blob_name if _SHA256.match(blob_name) else None
+
+
+# ---------------------------------------------------------------------------------------------
+# One file: partial name, resume, verify, rename
+
+
+def partial_path(dest: Path) -> Path:
+    """Where a download in progress lives: hidden, next to the final name, with an extension that
+    ComfyUI's file lists ignore."""
+    return dest.with_name(f".{dest.name}.part")
+
+
+def _state_path(dest: Path) -> Path:
+    return dest.with_name(f".{dest.name}.part.json")
+
+
+class _Progress:
+    def __init__(self, label: str, total: int | None, initial: int, enabled: bool):
+        self.bar = None
+        if enabled:
+            try:
+                from tqdm import tqdm
+                self.bar = tqdm(total=total, initial=initial, unit="B", unit_scale=True,
+                                unit_divisor=1024, desc=label, leave=True, file=sys.stderr)
+            except ImportError:
+                print(f"{label}: {_gb(total)}", file=sys.stderr)
+
+    def update(self, n: int):
+        if self.bar is not None:
+            self.bar.update(n)
+
+    def reset(self):
+        if self.bar is not None:
+            self.bar.reset()
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+
+
+def fetch_file(f: ModelFile, dest: str | Path, source: Source, *, progress: bool = True,
+               retries: int = 3, retry_wait: float = 2.0,
+               sleep: Callable[[float], None] = time.sleep) -> Path:
+    """Bring one file to `dest` from `source`: resumable, verified, renamed into place at the end.
+
+    On any failure (including Ctrl-C) `dest` is untouched; a partial download stays under
+    ``.<name>.part`` and the next call resumes it if the source still announces the same file.
+    """
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    part, state_file = partial_path(dest), _state_path(dest)
+    remote = source.describe(f)
+    identity = {"repo": f.repo_id, "path": f.path, "size": remote.size, "sha256": remote.sha256}
+
+    offset = part.stat().st_size if part.is_file() else 0
+    if offset and (_read_state(state_file) != identity or (remote.size is not None and offset > remote.size)):
+        part.unlink()                               # a partial of some other file or revision
+        offset = 0
+    if remote.size is not None:
+        free = shutil.disk_usage(dest.parent).free
+        if free < remote.size - offset:
+            raise NotEnoughSpace(f"{dest.parent}: {_gb(free)} free, {dest.name} needs "
+                                 f"{_gb(remote.size - offset)} more")
+    state_file.write_text(json.dumps(identity))
+
+    digest = hashlib.sha256()
+    if offset:
+        with open(part, "rb") as done:              # the hash must cover the bytes already there
+            while block := done.read(CHUNK):
+                digest.update(block)
+    bar = _Progress(dest.name, remote.size, offset, progress)
+    try:
+        with open(part, "ab") as out:
+            attempt = 0
+            while True:
+                try:
+                    try:
+                        start, chunks = source.read(f, remote, offset)
+                    except _TRANSIENT as err:
+                        raise _SourceFailed() from err
+                    if start != offset:             # the source could not resume: start over
+                        out.seek(0)
+                        out.truncate()
+                        digest, offset = hashlib.sha256(), 0
+                        bar.reset()
+                    for block in _source_chunks(chunks):
+                        out.write(block)
+                        digest.update(block)
+                        offset += len(block)
+                        bar.update(len(block))
+                    break
+                except _SourceFailed as failed:
+                    err = failed.__cause__
+                    attempt += 1
+                    if attempt > retries:
+                        raise NoNetwork(f"{f.filename}: connection lost after {_gb(offset)} "
+                                        f"({_first_line(err)}); run the command again to resume") from err
+                    out.flush()
+                    sleep(retry_wait * 2 ** (attempt - 1))
+                    again = source.describe(f)      # a fresh (signed) URL for the same content
+                    if (again.size, again.sha256) != (remote.size, remote.sha256):
+                        raise DownloadError(f"{f.filename} changed on the source during the download; "
+                                            "run the command again") from err
+                    remote = again
+            out.flush()
+            os.fsync(out.fileno())
+    finally:
+        bar.close()
+
+    problem = None
+    if remote.size is not None and offset != remote.size:
+        problem = f"got {offset} bytes, the source announced {remote.size}"
+    elif remote.sha256 is not None and digest.hexdigest() != remote.sha256:
+        problem = f"SHA-256 {digest.hexdigest()} does not match the source's {remote.sha256}"
+    if problem:
+        part.unlink(missing_ok=True)
+        state_file.unlink(missing_ok=True)
+        raise VerifyError(f"{f.filename} from {remote.url}: {problem}; the download was discarded")
+    os.replace(part, dest)
+    state_file.unlink(missing_ok=True)
+    return dest
+
+
+# What a source may raise while sending bytes that is worth a retry from the current offset.
+_TRANSIENT = (NoNetwork, ConnectionError, TimeoutError, http.client.IncompleteRead, urllib.error.URLError)
+
+
+class _SourceFailed(Exception):
+    """A transient failure on the source's side of the copy (never the local disk's)."""
+
+
+def _source_chunks(chunks: Iterator[bytes]) -> Iterator[bytes]:
+    it = iter(chunks)
+    while True:
+        try:
+            block = next(it)
+        except StopIteration:
+            return
+        except _TRANSIENT as err:
+            raise _SourceFailed() from err
+        yield block
+
+
+def _read_state(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _gb(n: int | None) -> str:
+    return "unknown size" if n is None else f"{n / 1e9:.2f} GB"
+
+
+# ---------------------------------------------------------------------------------------------
+# A whole profile
+
+
+@dataclass
+class Outcome:
+    file: ModelFile
+    dest: Path
+    status: str                   # "present", "cached", "downloaded", "missing", "denied", "failed"
+    detail: str = ""
+
+
+@dataclass
+class Report:
+    name: str
+    models_dir: Path
+    outcomes: list[Outcome] = field(default_factory=list)
+    offline_reason: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return all(o.status in ("present", "cached", "downloaded") for o in self.outcomes)
+
+
+def download(name: str, models_dir: str | Path, dtype: str | None = None, source: Source | None = None,
+             *, use_cache: bool = True, progress: bool = True, log: Callable[[str], None] = print,
+             **fetch_options) -> Report:
+    """Bring every file of a profile or model into `models_dir`; never raises for a file that
+    cannot be fetched (the report says why), only for a wrong name."""
+    models_dir = Path(models_dir)
+    files = catalog.files_for(name, dtype)
+    report = Report(name, models_dir)
+    source = source or HubSource()
+    for f in files:
+        dest = f.dest(models_dir)
+        if dest.is_file():
+            report.outcomes.append(Outcome(f, dest, "present"))
+            log(f"present     {dest}")
+            continue
+        cached = find_in_hub_cache(f) if use_cache else None
+        try:
+            if cached:
+                path, sha = cached
+                log(f"from cache  {dest}  ({path})")
+                fetch_file(f, dest, LocalFileSource(path, sha), progress=progress, **fetch_options)
+                report.outcomes.append(Outcome(f, dest, "cached", str(path)))
+                continue
+            if report.offline_reason:
+                report.outcomes.append(Outcome(f, dest, "missing", report.offline_reason))
+                continue
+            log(f"downloading {dest}  ({f.url})")
+            fetch_file(f, dest, source, progress=progress, **fetch_options)
+            report.outcomes.append(Outcome(f, dest, "downloaded"))
+        except NoNetwork as err:
+            report.offline_reason = str(err)
+            report.outcomes.append(Outcome(f, dest, "missing", str(err)))
+        except AccessDenied as err:
+            report.outcomes.append(Outcome(f, dest, "denied", str(err)))
+        except DownloadError as err:
+            report.outcomes.append(Outcome(f, dest, "failed", str(err)))
+    return report
+
+
+def explain(report: Report) -> str:
+    """One message for everything that is not in place yet: what, from where, to where, and why."""
+    lines: list[str] = []
+    missing = [o for o in report.outcomes if o.status == "missing"]
+    denied = [o for o in report.outcomes if o.status == "denied"]
+    failed = [o for o in report.outcomes if o.status == "failed"]
+    if missing:
+        lines += [f"Could not download from the Hugging Face Hub ({report.offline_reason}).",
+                  f"Get these {len(missing)} file(s) for {report.name} by hand and put them here:", ""]
+        for o in missing:
+            lines += _file_block(o)
+    if denied:
+        lines += ["", "Access refused (licence not accepted, or no token given):", ""]
+        for o in denied:
+            lines += _file_block(o) + [f"    why:  {o.detail}"]
+    if failed:
+        lines += ["", "Failed:", ""]
+        for o in failed:
+            lines += _file_block(o) + [f"    why:  {o.detail}"]
+    gated = [o.file for o in missing + denied if o.file.gated]
+    if gated:
+        lines += ["", "Gated repositories: open each page below, log in, and accept the licence; then"]
+        lines += [f"  {TOKEN_HELP}."]
+        for f in dict.fromkeys(gated):
+            lines.append(f"  {f.page}  ({f.licence.name}: {f.licence.url})")
+    if missing or denied or failed:
+        lines += ["", "Then run again: " + catalog.download_command(report.name, report.models_dir)
+                  + " (files already in place are kept; a partial download resumes)."]
+    return "\n".join(lines).strip()
+
+
+def _file_block(o: Outcome) -> list[str]:
+    f = o.file
+    note = f" ({f.licence.name}" + ("; gated: accept the licence at " + f.page if f.gated else "") + ")"
+    return [f"  {catalog.ROLE_NAMES[f.role]}: {f.filename}{note}",
+            f"    from: {f.url}",
+            f"    to:   {o.dest}"]
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+
+
+def default_models_dir() -> Path | None:
+    """ComfyUI's models/ folder when it can be known without guessing: ``$COMFYUI_PATH/models``, or
+    the ComfyUI this pack is installed in (``ComfyUI/custom_nodes/<pack>/ugpum``)."""
+    env = os.environ.get("COMFYUI_PATH")
+    if env and (Path(env) / "main.py").is_file():
+        return Path(env).expanduser() / "models"
+    here = Path(__file__).resolve().parent            # .../custom_nodes/<pack>/ugpum
+    root = here.parent.parent.parent
+    if here.parent.parent.name == "custom_nodes" and (root / "main.py").is_file():
+        return root / "models"
+    return None
+
+
+def add_download_parser(sub) -> None:
+    p = sub.add_parser("download", help="fetch a profile's DiT, text encoder and VAE into ComfyUI's models/",
+                       description="Fetch the files a profile or model needs into a ComfyUI models/ folder "
+                                   "(diffusion_models/, text_encoders/, vae/). Known: "
+                                   + ", ".join(catalog.names()))
+    p.add_argument("name", nargs="?", metavar="PROFILE_OR_MODEL", help="e.g. klein-9b-1024 or flux2-dev")
+    p.add_argument("--models", metavar="DIR", help="ComfyUI's models/ folder (default: $COMFYUI_PATH/models, "
+                                                    "or the ComfyUI this pack is installed in)")
+    p.add_argument("--dtype", choices=catalog.DTYPES, help="DiT weights: the 16-bit file or fp8 "
+                                                           "(default: the profile's or model's)")
+    p.add_argument("--list", action="store_true", help="list the files and their sources; download nothing")
+    p.add_argument("--no-cache", action="store_true", help="do not copy from the local Hugging Face cache")
+
+
+def run_download(args) -> int:
+    if args.list or not args.name:
+        try:
+            print(format_catalog(args.name))
+        except catalog.UnknownName as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        return 0
+    models = Path(args.models).expanduser() if args.models else default_models_dir()
+    if models is None:
+        print("error: give ComfyUI's models folder with --models DIR (or set COMFYUI_PATH)", file=sys.stderr)
+        return 2
+    try:
+        report = download(args.name, models, args.dtype, use_cache=not args.no_cache,
+                          progress=sys.stderr.isatty())
+    except catalog.UnknownName as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if report.ok:
+        print(f"{report.name}: all {len(report.outcomes)} files are in {models}")
+        return 0
+    print(explain(report), file=sys.stderr)
+    return 1
+
+
+def format_catalog(name: str | None = None) -> str:
+    """The catalog (or one profile's or model's part of it) with each file's source."""
+    chosen = catalog.resolve(name)[0] if name else None
+    lines = []
+    for profile in catalog.PROFILES.values():
+        if name in (None, profile.id):
+            lines.append(f"profile {profile.id}: {profile.model}, {profile.dtype}, "
+                         f"{profile.width}x{profile.height}  ({profile.note})")
+    for entry in catalog.MODELS.values():
+        if chosen is not None and entry is not chosen:
+            continue
+        lines.append(f"\n{entry.id}: {entry.title} (default dtype {entry.default_dtype})")
+        for f in entry.all_files():
+            tag = next((d for d, x in entry.dit.items() if x is f), "") if f.role == "dit" else ""
+            lines.append(f"  {f.folder + '/' + f.filename:<58} {tag:<5} {f.url}"
+                         + ("  [gated]" if f.gated else ""))
+    return "\n".join(lines).strip()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ugpum.download")
+    add_download_parser(parser.add_subparsers(dest="command", required=True))
+    return run_download(parser.parse_args(["download", *(argv if argv is not None else sys.argv[1:])]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""Latents and caption embeddings computed once, stored as safetensors, keyed by content.
+
+A key covers the image bytes (or caption text), the bucket and the encoders' identity, so a changed
+image, caption or encoder gives a new key (the stale entry is simply not used); a damaged file is
+rebuilt. Files are written under a temporary name and renamed.
+"""
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ..atomic import atomic_path
+from .dataset import ImageItem, load_bucketed_image
+from .encoders import Encoders
+
+
+class FeatureCache:
+    def __init__(self, folder: str | Path, encoders: Encoders):
+        self.folder = Path(folder)
+        self.encoders = encoders
+        self.hits = 0
+        self.misses = 0
+
+    def _key(self, *parts: bytes) -> str:
+        h = hashlib.sha256(self.encoders.identity.encode())
+        for p in parts:
+            h.update(len(p).to_bytes(8, "little"))
+            h.update(p)
+        return h.hexdigest()[:40]
+
+    def _get(self, kind: str, key: str, compute) -> torch.Tensor:
+        path = self.folder / kind / f"{key}.safetensors"
+        if path.is_file():
+            try:
+                tensor = load_file(str(path))["value"]
+                self.hits += 1
+                return tensor
+            except Exception:  # noqa: BLE001 - any damage (truncated, not safetensors, wrong key)
+                pass                                   # damaged entry: rebuild it below
+        tensor = compute().detach().cpu().contiguous()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_path(path) as tmp:
+            save_file({"value": tensor}, str(tmp), metadata={"encoders": self.encoders.identity})
+        self.misses += 1
+        return tensor
+
+    def latent(self, item: ImageItem) -> torch.Tensor:
+        key = self._key(item.path.read_bytes(), repr(item.bucket).encode())
+        return self._get("latents", key, lambda: self.encoders.encode_images(load_bucketed_image(item)[None])[0])
+
+    def text(self, caption: str) -> torch.Tensor:
+        return self._get("text", self._key(caption.encode()), lambda: self.encoders.encode_text([caption])[0])

@@ -1,0 +1,113 @@
+"""The one training configuration, shared by `python -m ugpum train`, the demo and the nodes."""
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..arch import model_ids
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass
+class TrainConfig:
+    model: str = "tiny-flux2"             # model id (see `python -m ugpum plan --help`)
+    model_file: str = ""                  # the DiT .safetensors; empty: random weights (tiny models only)
+    dataset: str = ""                     # image folder, or a musubi-tuner dataset .toml
+    trigger: str = ""                     # prepended to every caption
+    resolution: int = 1024
+    frames: int = 1                       # Wan clips: 4k+1
+    repeats: int = 1
+    caption_dropout: float = 0.0
+    steps: int = 50
+    grad_accum: int = 1                   # micro-batches per optimizer step
+    lr: float = 1e-4
+    lr_schedule: str = "constant"         # constant | cosine
+    warmup_steps: int = 0
+    optimizer: str = "adamw"              # adamw | adamw8bit (needs bitsandbytes)
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0            # 0 disables clipping
+    rank: int = 16
+    alpha: float = 16.0
+    targets: list[str] = field(default_factory=list)   # substrings of linear paths; empty: all
+    timesteps: str = "flux2"              # uniform | logit_normal | shift | flux2
+    shift: float = 3.0                    # for timesteps = "shift"
+    weighting: str = "none"               # none | sigma_sqrt | cosmap
+    seed: int = 42
+    checkpointing: bool = True            # per-block gradient checkpointing
+    autocast: bool = True                 # bf16 autocast on CUDA
+    weight_dtype: str = "bf16"            # bf16 | fp8 | fp32 (base weights, frozen)
+    devices: list[str] = field(default_factory=lambda: ["auto"])
+    schedule: str = "auto"                # micro-batch order: auto | sequential | gpipe | 1f1b
+    save_every: int = 0                   # checkpoint every N steps (0: only at the end)
+    sample_every: int = 10                # 0: no samples
+    sample_prompt: str = ""
+    sample_steps: int = 0                 # 0: the model's default
+    sample_seed: int = 0
+    output_name: str = "ugpum_lora"
+    cache_dir: str = ""                   # latents/text cache; empty: <out>/cache
+
+    def validate(self) -> "TrainConfig":
+        def need(ok: bool, name: str, what: str):
+            if not ok:
+                raise ConfigError(f"setting '{name}' = {getattr(self, name)!r}: {what}")
+        need(self.model in model_ids(), "model", f"unknown model; known: {', '.join(model_ids())}")
+        need(self.resolution >= 16 and self.resolution % 16 == 0, "resolution", "must be a multiple of 16")
+        need(self.frames >= 1 and (self.frames - 1) % 4 == 0, "frames", "must be 4k+1 (1, 5, 17, 33, ...)")
+        for name in ("repeats", "steps", "grad_accum", "rank"):
+            need(getattr(self, name) >= 1, name, "must be at least 1")
+        for name in ("warmup_steps", "save_every", "sample_every", "sample_steps", "max_grad_norm"):
+            need(getattr(self, name) >= 0, name, "must not be negative")
+        need(0 <= self.caption_dropout < 1, "caption_dropout", "must be in [0, 1)")
+        need(self.lr > 0, "lr", "must be positive")
+        need(self.alpha > 0, "alpha", "must be positive")
+        need(self.lr_schedule in ("constant", "cosine"), "lr_schedule", "constant or cosine")
+        need(self.optimizer in ("adamw", "adamw8bit"), "optimizer", "adamw or adamw8bit")
+        need(self.timesteps in ("uniform", "logit_normal", "shift", "flux2"), "timesteps",
+             "uniform, logit_normal, shift or flux2")
+        need(self.weighting in ("none", "sigma_sqrt", "cosmap"), "weighting", "none, sigma_sqrt or cosmap")
+        need(self.weight_dtype in ("bf16", "fp8", "fp32"), "weight_dtype", "bf16, fp8 or fp32")
+        need(self.schedule in ("auto", "sequential", "gpipe", "1f1b"), "schedule", "auto, sequential, gpipe or 1f1b")
+        need(bool(self.output_name) and "/" not in self.output_name and "\\" not in self.output_name
+             and not self.output_name.startswith("."), "output_name", "a plain file name, no folders")
+        return self
+
+
+# Built-in profiles: the settings a newcomer starts from.
+PROFILES: dict[str, dict] = {
+    "klein-9b-1024": dict(model="flux2-klein-9b", resolution=1024, rank=16, alpha=16.0, steps=50, lr=1e-4,
+                          sample_every=10, timesteps="flux2", weight_dtype="bf16"),
+    "klein-4b-1024": dict(model="flux2-klein-4b", resolution=1024, rank=16, alpha=16.0, steps=50, lr=1e-4,
+                          sample_every=10, timesteps="flux2"),
+    # tiny random-weight models: the same code paths in seconds on a CPU (tests, demo without weights)
+    "tiny-flux2": dict(model="tiny-flux2", resolution=64, rank=4, alpha=4.0, steps=50, lr=1e-2,
+                       sample_every=25, timesteps="logit_normal", weight_dtype="fp32", autocast=False),
+    "tiny-wan": dict(model="tiny-wan", resolution=64, rank=4, alpha=4.0, steps=50, lr=1e-2,
+                     sample_every=25, timesteps="logit_normal", weight_dtype="fp32", autocast=False),
+}
+
+
+def load_config(profile: str = "", toml_file: str | Path = "", overrides: dict | None = None) -> TrainConfig:
+    """Profile defaults, then a TOML file's keys (top level or [train]), then explicit overrides."""
+    values: dict = {}
+    if profile:
+        if profile not in PROFILES:
+            raise ConfigError(f"unknown profile {profile!r}; built-in: {', '.join(PROFILES)}")
+        values.update(PROFILES[profile])
+    if toml_file:
+        path = Path(toml_file)
+        try:
+            data = tomllib.loads(path.read_text())
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            raise ConfigError(f"{path}: cannot read the config ({e})") from None
+        values.update(data.get("train", data))
+    values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(f"unknown setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    return TrainConfig(**values).validate()

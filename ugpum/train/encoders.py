@@ -1,0 +1,64 @@
+"""What turns images and captions into the DiT's inputs.
+
+Real training uses ComfyUI's VAE and text encoder (the nodes wrap ComfyUI's CLIP and VAE objects in
+this interface). Tiny random-weight models have no real encoders: `StandInEncoders` is a fixed,
+seeded, invertible pixel projection and a hashed word embedding, honest stand-ins that make the
+same pipeline (caching, training, sampling, decoding) run end to end without any weights.
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from ..arch.base import ArchSpec
+
+
+class Encoders(Protocol):
+    identity: str                                          # part of every cache key
+
+    def encode_images(self, pixels: torch.Tensor) -> torch.Tensor: ...   # [B,3,H,W] in [-1,1]
+    def encode_text(self, captions: list[str]) -> torch.Tensor: ...      # [B,L,C]
+    def decode(self, latents: torch.Tensor) -> torch.Tensor: ...         # -> [B,3,H,W] in [-1,1]
+
+
+class StandInEncoders:
+    """Pixel-unshuffle + fixed projection (latent) and hashed words (text), for tiny models."""
+
+    def __init__(self, spec: ArchSpec, text_tokens: int = 16, seed: int = 1234):
+        self.spec, self.text_tokens = spec, text_tokens
+        if spec.family == "wan":
+            self.factor, self.channels = 8, 16             # Wan VAE: 16 channels at /8
+        else:
+            self.factor, self.channels = 16, 128           # FLUX.2: 128 channels at /16 (2x2 patchified)
+        g = torch.Generator().manual_seed(seed)
+        pixels = 3 * self.factor ** 2
+        q, _ = torch.linalg.qr(torch.randn(pixels, self.channels, generator=g, dtype=torch.float64))
+        self.project = q.float()                            # orthonormal columns: decode is its transpose
+        self.word_seed = seed
+        self.identity = f"stand-in/{spec.family}/{spec.context_dim}/{text_tokens}/{seed}"
+
+    def encode_images(self, pixels: torch.Tensor) -> torch.Tensor:
+        z = F.pixel_unshuffle(pixels.float(), self.factor)              # [B, 3f², h, w]
+        z = torch.einsum("bphw,pc->bchw", z, self.project) * 2.0
+        return z.unsqueeze(2) if self.spec.family == "wan" else z      # Wan latents have a time axis
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        z = latents[:, :, 0] if latents.dim() == 5 else latents
+        pixels = torch.einsum("bchw,pc->bphw", z.float() / 2.0, self.project)
+        return F.pixel_shuffle(pixels, self.factor).clamp(-1, 1)
+
+    def _word(self, word: str) -> torch.Tensor:
+        digest = hashlib.sha256(f"{self.word_seed}:{word}".encode()).digest()
+        g = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
+        return torch.randn(self.spec.context_dim, generator=g)
+
+    def encode_text(self, captions: list[str]) -> torch.Tensor:
+        out = torch.zeros(len(captions), self.text_tokens, self.spec.context_dim)
+        for i, caption in enumerate(captions):
+            words = caption.lower().replace(",", " ").split()[: self.text_tokens]
+            for j, word in enumerate(words):
+                out[i, j] = self._word(word)
+        return out

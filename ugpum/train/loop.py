@@ -1,0 +1,275 @@
+"""The training loop: dataset -> cached features -> plan -> placed model with LoRA -> steps.
+
+Read it top to bottom: `train()` is the whole story; the helpers above it each do one thing.
+"""
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ..arch import Workload, get_spec
+from ..checkpointing import checkpoint_blocks
+from ..devices import Device, host_device, parse_device_specs
+from ..inplace_guard import guard_inplace_residuals
+from ..lora_file import dataset_hash, lora_metadata, save_lora
+from ..place import Layout, place
+from ..plan import Plan, make_plan
+from .cache import FeatureCache
+from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .config import TrainConfig
+from .dataset import ImageItem, caption_dropout, load_image_folder, load_musubi_toml
+from .encoders import Encoders, StandInEncoders
+from .flow import flow_loss, flux2_image_seq_len, noisy, sample_timesteps
+from .lora import LoraSet, attach_lora, lora_targets
+from .progress import Progress
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp8": torch.float8_e4m3fn}
+
+
+class TrainingError(RuntimeError):
+    pass
+
+
+@dataclass
+class TrainResult:
+    lora_path: Path
+    steps_done: int
+    losses: list[float]
+    plan: Plan
+    cache_hits: int
+    cache_misses: int
+    validation_before: float
+    validation_after: float
+    peak_gib: dict[str, float] = field(default_factory=dict)
+    samples: list[Path] = field(default_factory=list)
+
+
+def load_items(cfg: TrainConfig) -> list[ImageItem]:
+    path = Path(cfg.dataset)
+    if path.suffix == ".toml":
+        return load_musubi_toml(path, trigger=cfg.trigger)
+    return load_image_folder(path, resolution=cfg.resolution, repeats=cfg.repeats, trigger=cfg.trigger)
+
+
+def resolve_devices(cfg: TrainConfig) -> list[Device]:
+    devices = parse_device_specs(cfg.devices)
+    if not devices:                                   # "auto" on a machine without CUDA
+        devices = [host_device()]
+    if any(d.torch_device is None for d in devices):
+        raise TrainingError("training needs real devices (auto, cuda:N or cpu), not hand-described ones")
+    if any(d.torch_device == "cpu" for d in devices) and not cfg.model.startswith("tiny"):
+        raise TrainingError(f"{cfg.model} cannot train on the CPU; with no CUDA GPU only tiny models run")
+    return devices
+
+
+def micro_batch_item(k: int, n: int, seed: int) -> int:
+    """Which dataset item the k-th micro-batch uses: a fresh seeded shuffle every epoch."""
+    epoch, i = divmod(k, n)
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    return int(torch.randperm(n, generator=g)[i])
+
+
+def lr_factor(cfg: TrainConfig, step: int) -> float:
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.lr_schedule == "cosine":
+        progress = (step - cfg.warmup_steps) / max(cfg.steps - cfg.warmup_steps, 1)
+        return 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+    return 1.0
+
+
+def make_optimizer(cfg: TrainConfig, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    if cfg.optimizer == "adamw8bit":
+        try:
+            import bitsandbytes as bnb
+        except ImportError:
+            raise TrainingError("optimizer 'adamw8bit' needs bitsandbytes (pip install bitsandbytes)") from None
+        return bnb.optim.AdamW8bit(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+def micro_step(model, spec, cfg: TrainConfig, latent: torch.Tensor, context: torch.Tensor, k: int,
+               first: str, scale: float) -> float:
+    """Forward and backward of one micro-batch; gradients accumulate into the LoRA."""
+    g = torch.Generator().manual_seed(cfg.seed * 7_919 + k)      # the same draws on any device
+    x0 = latent[None].float()
+    noise = torch.randn(x0.shape, generator=g)
+    seq = flux2_image_seq_len(cfg.resolution, cfg.resolution)
+    t = sample_timesteps(1, cfg.timesteps, g, shift=cfg.shift, image_seq_len=seq)
+    xt = noisy(x0, noise, t)
+    device = torch.device(first)
+    autocast = cfg.autocast and device.type == "cuda"
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+        pred = model(xt.to(device), (t * spec.timestep_scale).to(device), context[None].to(device),
+                     transformer_options={})
+    out = pred.device
+    loss = flow_loss(pred.float(), x0.to(out), noise.to(out), t.to(out), cfg.weighting)
+    if scale:
+        (loss * scale).backward()
+    return loss.item()
+
+
+VALIDATION_T = (0.25, 0.5, 0.75)
+
+
+@torch.no_grad()
+def validation_loss(model, spec, cfg: TrainConfig, latents, contexts, first: str) -> float:
+    """Loss on fixed noise at fixed timesteps over (up to 16) items: a smooth measure of progress,
+    unlike the training loss, whose random timesteps make it jump from step to step."""
+    total, n = 0.0, 0
+    for i in range(min(len(latents), 16)):
+        g = torch.Generator().manual_seed(10_007 + i)
+        x0 = latents[i][None].float()
+        noise = torch.randn(x0.shape, generator=g)
+        for t in VALIDATION_T:
+            tt = torch.tensor([t])
+            device = torch.device(first)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.autocast and device.type == "cuda"):
+                pred = model(noisy(x0, noise, tt).to(device), (tt * spec.timestep_scale).to(device),
+                             contexts[i][None].to(device), transformer_options={})
+            out = pred.device
+            total += flow_loss(pred.float(), x0.to(out), noise.to(out), tt.to(out)).item()
+            n += 1
+    return total / n
+
+
+def prepare_model(cfg: TrainConfig, spec, plan: Plan, model=None, key_prefix: str = ""):
+    """Place the DiT by the plan (streaming it from its file when built on meta), make it safe to
+    differentiate, checkpoint its blocks and attach the LoRA."""
+    dtype = DTYPES[cfg.weight_dtype]
+    if model is None:                       # outside ComfyUI: ComfyUI's model classes via the bridge
+        from comfy_bridge import build_dit
+        model, key_prefix = build_dit(spec, dtype, cfg.model_file, seed=cfg.seed)
+    devices = [s.torch_device for s in plan.stages]
+    layout = Layout.from_plan(plan, devices, spec.tail_modules)
+    on_meta = any(p.is_meta for p in model.parameters())
+    placement = place(model, layout, checkpoint=cfg.model_file if on_meta else None,
+                      key_prefix=key_prefix, dtype=dtype)
+    block_paths = [b.path for b in spec.blocks]
+    guards = guard_inplace_residuals(model, include_rms=False)
+    undo_ckpt = checkpoint_blocks(model, block_paths) if cfg.checkpointing else (lambda: None)
+    targets = lora_targets(block_paths, [b.linears for b in spec.blocks], tuple(cfg.targets))
+    lora = attach_lora(model, targets, cfg.rank, cfg.alpha, seed=cfg.seed)
+
+    def release():
+        lora.remove()
+        undo_ckpt()
+        for g in guards:
+            g.remove()
+        placement.undo()
+    return model, lora, release
+
+
+def save_final_lora(cfg: TrainConfig, spec, lora: LoraSet, out: Path, steps: int, items, name: str) -> Path:
+    meta = lora_metadata(architecture=f"{spec.title}/lora", base_model=spec.id, title=cfg.output_name,
+                         target_modules=sorted({p.rsplit(".", 1)[0] + "." + p.rsplit(".", 1)[1] for p, _ in lora.items()}),
+                         steps=steps, resolution=cfg.resolution, dataset_hash=dataset_hash(items),
+                         implementation="ugpum")
+    tensors = {path: (a.A.detach().cpu(), a.B.detach().cpu()) for path, a in lora.items()}
+    return save_lora(out / name, tensors, cfg.rank, cfg.alpha, meta, dtype=torch.float32)
+
+
+def train(cfg: TrainConfig, out: str | Path, encoders: Encoders | None = None, model=None, key_prefix: str = "",
+          resume: bool = False, on_step: Callable[[int, int, float], None] | None = None,
+          check_interrupt: Callable[[], None] | None = None, log=print) -> TrainResult:
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    spec = get_spec(cfg.model)
+
+    # 1. data, then every latent and caption embedding through the cache (encoders released after)
+    items = load_items(cfg)
+    encoders = encoders or StandInEncoders(spec)
+    cache = FeatureCache(cfg.cache_dir or out / "cache", encoders)
+    latents = [cache.latent(item) for item in items]
+    rng = random.Random(cfg.seed)
+    captions = [caption_dropout(item.caption, cfg.caption_dropout, rng) for item in items]
+    contexts = [cache.text(c) for c in captions]
+    log(f"features: {len(items)} items, cache {cache.hits} hit(s), {cache.misses} computed")
+
+    # 2. plan, then the placed model with its LoRA
+    devices = resolve_devices(cfg)
+    w = Workload(width=cfg.resolution, height=cfg.resolution, frames=cfg.frames, rank=cfg.rank,
+                 checkpointing=cfg.checkpointing, weight_dtype="bf16" if cfg.weight_dtype == "fp32" else cfg.weight_dtype,
+                 text_tokens=contexts[0].shape[0])
+    plan = make_plan(spec, devices, w, grad_accum=cfg.grad_accum)
+    log(plan.verdict)
+    model, lora, release = prepare_model(cfg, spec, plan, model, key_prefix)
+    params = [p for _, a in lora.items() for p in (a.A, a.B)]
+    optimizer = make_optimizer(cfg, params)
+
+    # 3. resume where a previous run stopped
+    start = 0
+    metrics_path = out / "metrics.jsonl"
+    if resume:
+        folder = latest_checkpoint(out)
+        if folder is None:
+            raise TrainingError(f"--resume: no checkpoint in {out / 'checkpoints'}")
+        start = load_checkpoint(folder, lora, optimizer)["step"]
+        log(f"resumed from {folder} at step {start}")
+        kept = [l for l in metrics_path.read_text().splitlines() if json.loads(l)["step"] <= start] \
+            if metrics_path.is_file() else []
+        metrics_path.write_text("".join(l + "\n" for l in kept))
+    elif metrics_path.exists():
+        metrics_path.unlink()
+
+    # 4. steps
+    first = plan.stages[0].torch_device if plan.stages[0].blocks[1] > 0 else \
+        next(s.torch_device for s in plan.stages if s.blocks[1] > s.blocks[0])
+    losses: list[float] = []
+    step = start
+    validation_before = validation_loss(model, spec, cfg, latents, contexts, first)
+    log(f"validation loss before: {validation_before:.4f}")
+    progress = Progress(cfg.steps, start)
+    for dev in {d.torch_device for d in devices if d.torch_device.startswith("cuda")}:
+        torch.cuda.reset_peak_memory_stats(dev)
+    try:
+        while step < cfg.steps:
+            t0 = time.perf_counter()
+            for group in optimizer.param_groups:
+                group["lr"] = cfg.lr * lr_factor(cfg, step)
+            loss = 0.0
+            for j in range(cfg.grad_accum):
+                if check_interrupt:
+                    check_interrupt()
+                k = step * cfg.grad_accum + j
+                i = micro_batch_item(k, len(items), cfg.seed)
+                loss += micro_step(model, spec, cfg, latents[i], contexts[i], k, first, 1 / cfg.grad_accum) / cfg.grad_accum
+            if cfg.max_grad_norm:
+                torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            losses.append(loss)
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps({"step": step, "loss": loss, "lr": optimizer.param_groups[0]["lr"],
+                                    "seconds": round(time.perf_counter() - t0, 4)}) + "\n")
+            progress.update(step, loss)
+            if on_step:
+                on_step(step, cfg.steps, loss)
+            if cfg.save_every and step % cfg.save_every == 0 and step < cfg.steps:
+                save_checkpoint(out, step, lora, optimizer, {"model": spec.id})
+    except BaseException:
+        # Ctrl-C, ComfyUI's Cancel or an error: keep what the completed steps trained, then stop
+        if step > start:
+            save_checkpoint(out, step, lora, optimizer, {"model": spec.id, "interrupted": True})
+            save_final_lora(cfg, spec, lora, out, step, items, f"{cfg.output_name}_step{step}.safetensors")
+            log(f"\nstopped at step {step}: checkpoint and LoRA saved in {out}")
+        release()
+        raise
+    peak = {d: round(torch.cuda.max_memory_allocated(d) / 2**30, 3)
+            for d in {x.torch_device for x in devices} if d.startswith("cuda")}
+    validation_after = validation_loss(model, spec, cfg, latents, contexts, first)
+    log(f"validation loss after {step} steps: {validation_after:.4f}" +
+        "".join(f"; peak {d}: {g:.2f} GiB" for d, g in peak.items()))
+    save_checkpoint(out, step, lora, optimizer, {"model": spec.id})
+    lora_path = save_final_lora(cfg, spec, lora, out, step, items, f"{cfg.output_name}.safetensors")
+    release()
+    return TrainResult(lora_path, step, losses, plan, cache.hits, cache.misses, validation_before,
+                       validation_after, peak)
