@@ -103,3 +103,49 @@ def test_stream_rejects_a_checkpoint_of_another_size(tmp_path):
         model = ToyDiT(dim=16)
     with pytest.raises(CheckpointMismatch, match="other.safetensors.*another model size"):
         place(model, _layout(model, ("cpu", "cpu"), 2), checkpoint=path)
+
+
+@pytest.mark.parametrize("model_id", ["tiny-flux2", "tiny-wan"])
+@pytest.mark.parametrize("devices", DEVICE_PAIRS)
+def test_comfyui_models_split_gradients_equal_unsplit(model_id, devices):
+    """ComfyUI's own FLUX.2 / Wan classes with LoRA, in-place guard and block checkpointing."""
+    from comfy_bridge import build_random, find_comfyui
+    if find_comfyui() is None:
+        pytest.skip("needs ComfyUI's model classes")
+    from ugpum.arch import get_spec
+    from ugpum.checkpointing import checkpoint_blocks
+    from ugpum.inplace_guard import guard_inplace_residuals
+    from ugpum.train.lora import attach_lora, lora_targets
+    spec = get_spec(model_id)
+    paths = [b.path for b in spec.blocks]
+    dtype = torch.float32 if devices == ("cpu", "cpu") else torch.float64
+
+    def grads(split: bool):
+        model = build_random(spec, dtype, seed=5)
+        if split:
+            layout = Layout({p: devices[0] if i < len(paths) // 2 else devices[1] for i, p in enumerate(paths)},
+                            first=devices[0], last=devices[1], tail_modules=spec.tail_modules)
+            place(model, layout)
+        guard_inplace_residuals(model, include_rms=False)
+        checkpoint_blocks(model, paths)
+        lora = attach_lora(model, lora_targets(paths, [b.linears for b in spec.blocks]), 4, 4, dtype=dtype, seed=1)
+        with torch.no_grad():
+            for _, a in lora.items():
+                a.B.normal_(0, 0.05, generator=torch.Generator().manual_seed(hash(a.A.shape) % 1000))
+        g = torch.Generator().manual_seed(0)
+        if spec.family == "wan":
+            x = torch.randn(1, 16, 1, 4, 4, generator=g, dtype=dtype)
+        else:
+            x = torch.randn(1, 128, 4, 4, generator=g, dtype=dtype)
+        ctx = torch.randn(1, 6, spec.context_dim, generator=g, dtype=dtype)
+        t = torch.tensor([0.4 * spec.timestep_scale], dtype=dtype)
+        out = model(x, t, ctx, transformer_options={})
+        (out.cpu().double() ** 2).mean().backward()
+        return {p: (a.A.grad.cpu().clone(), a.B.grad.cpu().clone()) for p, a in lora.items()}
+
+    ref, got = grads(False), grads(True)
+    assert ref.keys() == got.keys() and len(ref) == sum(len(b.linears) for b in spec.blocks)
+    for path in ref:
+        for r, g_ in zip(ref[path], got[path]):
+            err = (g_ - r).norm() / r.norm().clamp_min(1e-30)
+            assert err < 1e-6, f"{path}: relative error {err:.2e}"
