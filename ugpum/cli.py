@@ -8,6 +8,8 @@ import sys
 
 from .arch import UnknownModel, Workload, get_spec
 from .devices import parse_device_specs
+from .doctor import add_doctor_parser, run_doctor
+from .download import add_download_parser, run_download
 from .plan import GIB, PlanError, make_plan
 from .train.config import PROFILES, ConfigError, load_config
 
@@ -156,10 +158,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_plan_parser(sub)
     add_train_parser(sub)
     add_demo_parser(sub)
+    add_download_parser(sub)
+    add_doctor_parser(sub)
     return parser
 
 
-COMMANDS = {"plan": run_plan, "train": run_train, "demo": run_demo}
+COMMANDS = {"plan": run_plan, "train": run_train, "demo": run_demo, "download": run_download,
+            "doctor": run_doctor}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -201,7 +201,7 @@ class HubSource:
             headers["Range"] = f"bytes={offset}-"
         request = urllib.request.Request(remote.url, headers=headers)
         try:
-            response = urllib.request.urlopen(request, timeout=self.timeout)
+            response = urllib.request.build_opener(_KeepTokenOnHost).open(request, timeout=self.timeout)
         except urllib.error.HTTPError as err:
             if err.code == 416 and remote.size is not None and offset >= remote.size:
                 return offset, iter(())              # the partial file is already complete
@@ -220,6 +220,17 @@ class HubSource:
                 while block := response.read(CHUNK):
                     yield block
         return start, chunks()
+
+
+class _KeepTokenOnHost(urllib.request.HTTPRedirectHandler):
+    """Follow redirects, but drop the Authorization header when one leads to another host."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        new = super().redirect_request(req, fp, code, msg, headers, newurl)
+        if new is not None and urllib.parse.urlsplit(newurl).netloc != urllib.parse.urlsplit(req.full_url).netloc:
+            for key in [k for k in new.headers if k.lower() == "authorization"]:
+                del new.headers[key]
+        return new
 
 
 def _first_line(err: BaseException) -> str:
@@ -296,17 +307,17 @@ class _Progress:
 
 
 def fetch_file(f: ModelFile, dest: str | Path, source: Source, *, progress: bool = True,
-               retries: int = 3, retry_wait: float = 2.0,
-               sleep: Callable[[float], None] = time.sleep) -> Path:
+               retries: int = 3, retry_wait: float = 2.0, sleep: Callable[[float], None] = time.sleep,
+               log: Callable[[str], None] | None = None) -> Path:
     """Bring one file to `dest` from `source`: resumable, verified, renamed into place at the end.
 
     On any failure (including Ctrl-C) `dest` is untouched; a partial download stays under
     ``.<name>.part`` and the next call resumes it if the source still announces the same file.
     """
     dest = Path(dest)
+    remote = source.describe(f)                     # before touching the disk: may raise NoNetwork
     dest.parent.mkdir(parents=True, exist_ok=True)
     part, state_file = partial_path(dest), _state_path(dest)
-    remote = source.describe(f)
     identity = {"repo": f.repo_id, "path": f.path, "size": remote.size, "sha256": remote.sha256}
 
     offset = part.stat().st_size if part.is_file() else 0
@@ -319,6 +330,8 @@ def fetch_file(f: ModelFile, dest: str | Path, source: Source, *, progress: bool
             raise NotEnoughSpace(f"{dest.parent}: {_gb(free)} free, {dest.name} needs "
                                  f"{_gb(remote.size - offset)} more")
     state_file.write_text(json.dumps(identity))
+    if log:
+        log(f"{dest}: {_gb(remote.size)}" + (f", resuming at {_gb(offset)}" if offset else ""))
 
     digest = hashlib.sha256()
     if offset:
@@ -345,6 +358,9 @@ def fetch_file(f: ModelFile, dest: str | Path, source: Source, *, progress: bool
                         digest.update(block)
                         offset += len(block)
                         bar.update(len(block))
+                    if remote.size is not None and offset < remote.size:   # the stream ended early
+                        raise _SourceFailed() from ConnectionError(
+                            f"the source stopped after {offset} of {remote.size} bytes")
                     break
                 except _SourceFailed as failed:
                     err = failed.__cause__
@@ -366,7 +382,7 @@ def fetch_file(f: ModelFile, dest: str | Path, source: Source, *, progress: bool
 
     problem = None
     if remote.size is not None and offset != remote.size:
-        problem = f"got {offset} bytes, the source announced {remote.size}"
+        problem = f"got {offset} bytes, more than the {remote.size} the source announced"
     elif remote.sha256 is not None and digest.hexdigest() != remote.sha256:
         problem = f"SHA-256 {digest.hexdigest()} does not match the source's {remote.sha256}"
     if problem:
@@ -427,6 +443,7 @@ class Report:
     models_dir: Path
     outcomes: list[Outcome] = field(default_factory=list)
     offline_reason: str | None = None
+    dtype: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -440,27 +457,27 @@ def download(name: str, models_dir: str | Path, dtype: str | None = None, source
     cannot be fetched (the report says why), only for a wrong name."""
     models_dir = Path(models_dir)
     files = catalog.files_for(name, dtype)
-    report = Report(name, models_dir)
+    report = Report(name, models_dir, dtype=dtype)
     source = source or HubSource()
     for f in files:
         dest = f.dest(models_dir)
         if dest.is_file():
             report.outcomes.append(Outcome(f, dest, "present"))
-            log(f"present     {dest}")
+            log(f"already there: {dest}")
             continue
         cached = find_in_hub_cache(f) if use_cache else None
         try:
             if cached:
                 path, sha = cached
-                log(f"from cache  {dest}  ({path})")
-                fetch_file(f, dest, LocalFileSource(path, sha), progress=progress, **fetch_options)
+                log(f"copying from the Hugging Face cache ({path})")
+                fetch_file(f, dest, LocalFileSource(path, sha), progress=progress, log=log, **fetch_options)
                 report.outcomes.append(Outcome(f, dest, "cached", str(path)))
                 continue
             if report.offline_reason:
                 report.outcomes.append(Outcome(f, dest, "missing", report.offline_reason))
                 continue
-            log(f"downloading {dest}  ({f.url})")
-            fetch_file(f, dest, source, progress=progress, **fetch_options)
+            fetch_file(f, dest, source, progress=progress, log=lambda text: log(f"downloading {f.url}\n  to {text}"),
+                       **fetch_options)
             report.outcomes.append(Outcome(f, dest, "downloaded"))
         except NoNetwork as err:
             report.offline_reason = str(err)
@@ -498,7 +515,7 @@ def explain(report: Report) -> str:
         for f in dict.fromkeys(gated):
             lines.append(f"  {f.page}  ({f.licence.name}: {f.licence.url})")
     if missing or denied or failed:
-        lines += ["", "Then run again: " + catalog.download_command(report.name, report.models_dir)
+        lines += ["", "Then run again: " + catalog.download_command(report.name, report.models_dir, report.dtype)
                   + " (files already in place are kept; a partial download resumes)."]
     return "\n".join(lines).strip()
 

@@ -263,10 +263,21 @@ MODELS: dict[str, ModelEntry] = {e.id: e for e in (
         text_encoder=UMT5_XXL, vae=WAN_VAE),
 )}
 
-PROFILES: dict[str, Profile] = {p.id: p for p in (
-    Profile("klein-9b-1024", "flux2-klein-9b", "bf16", 1024, 1024,
-            note="the built-in profile: FLUX.2 [klein] 9B, bf16 weights, 1024x1024"),
-)}
+def _profiles() -> dict[str, Profile]:
+    """The training profiles (ugpum.train.config.PROFILES, the one place they are defined) whose
+    model has files in this catalog; the tiny random-weight profiles need no files."""
+    from .train.config import PROFILES as TRAIN_PROFILES, TrainConfig
+    out = {}
+    for name, values in TRAIN_PROFILES.items():
+        if values.get("model") in MODELS:
+            res = values.get("resolution", TrainConfig.resolution)
+            out[name] = Profile(name, values["model"], values.get("weight_dtype", TrainConfig.weight_dtype),
+                                res, res, values.get("frames", TrainConfig.frames),
+                                note=f"training profile (python -m ugpum train --profile {name})")
+    return out
+
+
+PROFILES: dict[str, Profile] = _profiles()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -335,6 +346,21 @@ def model_status(models_dir: str | Path, model_id: str) -> ModelStatus:
         present = path.is_file()
         status.files.append(FileStatus(f, path, present, path.stat().st_size if present else None))
     return status
+
+
+def missing_hint(model_id: str, present_names, dtype: str | None = None,
+                 models_dir: str | Path | None = None) -> str | None:
+    """None when a model's DiT (default dtype unless given), text encoder and VAE are all among
+    `present_names` (ComfyUI file names, e.g. from its loaders' lists); else one sentence naming the
+    missing files and the command that fetches them. For the UGPUM Loader's file list."""
+    entry = MODELS[model_id]
+    present = set(present_names)
+    missing = [f for f in entry.files(dtype) if f.filename not in present]
+    if not missing:
+        return None
+    names_ = ", ".join(f"{f.folder}/{f.filename}" for f in missing)
+    return (f"{entry.title}: missing {names_}; get them with "
+            f"{download_command(model_id, models_dir, dtype)}")
 
 
 def download_command(name: str, models_dir: str | Path | None = None, dtype: str | None = None) -> str:

@@ -1,0 +1,129 @@
+"""`ugpum doctor`: a sensible report and exit 0 without a GPU; GPU, ComfyUI and model-file sections
+from what it finds; a broken section never stops the report."""
+import argparse
+import json
+
+import pytest
+
+from ugpum import devices, doctor
+from ugpum.devices import GIB, Device
+
+
+@pytest.fixture
+def fake_comfyui(tmp_path, monkeypatch):
+    """A folder that looks like ComfyUI 0.3.99, with a models/ folder holding klein 9B's VAE."""
+    root = tmp_path / "ComfyUI"
+    (root / "comfy").mkdir(parents=True)
+    (root / "main.py").write_text("")
+    (root / "comfyui_version.py").write_text('# generated\n__version__ = "0.3.99"\n')
+    (root / "models" / "vae").mkdir(parents=True)
+    (root / "models" / "vae" / "flux2-vae.safetensors").write_bytes(b"\0" * 1000)
+    (root / "models" / "diffusion_models").mkdir()
+    (root / "models" / "diffusion_models" / "my_finetune.safetensors").write_bytes(b"not a safetensors file")
+    monkeypatch.setenv("COMFYUI_PATH", str(root))
+    return root
+
+
+@pytest.fixture
+def no_gpu(monkeypatch):
+    monkeypatch.setattr(devices, "detect_devices", lambda probe=True: [])
+    monkeypatch.setattr(devices, "peer_access_matrix", lambda: [])
+
+
+def run(argv, capsys) -> tuple[int, str]:
+    parser = argparse.ArgumentParser()
+    doctor.add_doctor_parser(parser.add_subparsers(dest="command"))
+    rc = doctor.run_doctor(parser.parse_args(["doctor", *argv]))
+    return rc, capsys.readouterr().out
+
+
+def test_without_gpu_the_report_is_sensible_and_exits_0(fake_comfyui, no_gpu, capsys):
+    rc, out = run([], capsys)
+    assert rc == 0
+    assert "torch " in out and "CUDA available: no" in out
+    assert "none: torch sees no CUDA device" in out
+    assert str(fake_comfyui) in out and "version 0.3.99 (found by COMFYUI_PATH)" in out
+    # model files in the found ComfyUI's models/ folder
+    assert "[x] vae/flux2-vae.safetensors" in out
+    assert "[ ] diffusion_models/flux-2-klein-9b.safetensors  (bf16, gated)" in out
+    assert f"get it: python -m ugpum download flux2-klein-9b --models {fake_comfyui / 'models'}" in out
+    assert "diffusion_models/my_finetune.safetensors: not FLUX.2 / Wan 2.1" in out
+    # the klein 9B plan on typical rigs, with forecasts
+    assert "profile klein-9b-1024: flux2-klein-9b, bf16 weights, 1024x1024" in out
+    assert "== 1x RTX 4090" in out and "== 2x 16 GiB" in out
+    assert out.count("predicted:") == 2 and "s/step" in out
+
+
+def test_json_report(fake_comfyui, no_gpu, capsys, tmp_path):
+    models = tmp_path / "elsewhere"
+    (models / "text_encoders").mkdir(parents=True)
+    (models / "text_encoders" / "qwen_3_8b_fp8mixed.safetensors").write_bytes(b"x")
+    rc, out = run(["--json", "--models", str(models)], capsys)
+    report = json.loads(out)
+    assert rc == 0
+    assert report["gpus"]["count"] == 0 and report["comfyui"]["version"] == "0.3.99"
+    assert report["models"]["dir"] == str(models)
+    klein = next(m for m in report["models"]["models"] if m["id"] == "flux2-klein-9b")
+    present = {f["file"] for f in klein["files"] if f["present"]}
+    assert present == {"text_encoders/qwen_3_8b_fp8mixed.safetensors"} and klein["ready"] == []
+    rigs = report["plan"]["rigs"]
+    assert [r["here"] for r in rigs] == [False, False]
+    assert all(r["predicted_step_s"] > 0 for r in rigs)
+
+
+def test_ready_model_and_version_from_pyproject(tmp_path, no_gpu, capsys, monkeypatch):
+    root = tmp_path / "ComfyUI"
+    (root / "comfy").mkdir(parents=True)
+    (root / "main.py").write_text("")
+    (root / "pyproject.toml").write_text('[project]\nname = "ComfyUI"\nversion = "0.33.0"\n')
+    models = root / "models"
+    for rel in ("diffusion_models/flux-2-klein-9b-fp8.safetensors", "text_encoders/qwen_3_8b_fp8mixed.safetensors",
+                "vae/flux2-vae.safetensors"):
+        (models / rel).parent.mkdir(parents=True, exist_ok=True)
+        (models / rel).write_bytes(b"x")
+    monkeypatch.delenv("COMFYUI_PATH", raising=False)
+    rc, out = run(["--models", str(models)], capsys)
+    assert rc == 0
+    assert "version 0.33.0 (found by the parent of --models)" in out
+    assert "flux2-klein-9b: ready (fp8)" in out
+    assert "get it: python -m ugpum download flux2-klein-9b " in out   # the default (bf16) DiT is missing
+
+
+def test_with_gpus_shows_links_peer_access_and_the_plan_here(fake_comfyui, monkeypatch, capsys):
+    def card(i: int) -> Device:
+        return Device(label=f"cuda:{i} NVIDIA GeForce RTX 4080", torch_device=f"cuda:{i}", total_bytes=16 * GIB,
+                      free_bytes=int(15.5 * GIB), tflops_bf16=78.0, host_gbps=25.0 if i == 0 else 6.5,
+                      link="pcie4x16" if i == 0 else "pcie4x4", compute_capability=(8, 9), sm_count=76,
+                      pcie_gen_max=4, pcie_gen_now=1, pcie_width_max=16 if i == 0 else 4,
+                      pcie_width_now=16 if i == 0 else 4, pci_bus_id=f"0000:0{i + 1}:00.0")
+    monkeypatch.setattr(devices, "detect_devices", lambda probe=True: [card(0), card(1)])
+    monkeypatch.setattr(devices, "peer_access_matrix", lambda: [[True, False], [False, True]])
+    rc, out = run([], capsys)
+    assert rc == 0
+    assert "cuda:0 NVIDIA GeForce RTX 4080: 16.0 GiB (15.5 free), compute 8.9" in out
+    assert "PCIe gen 4 x16 max, gen 1 x16 now; link pcie4x16" in out
+    assert "PCIe gen 4 x4 max, gen 1 x4 now; link pcie4x4" in out
+    assert "cuda:0 -> cuda:1 no" in out and "staged through host memory" in out
+    assert "== cuda:0 NVIDIA GeForce RTX 4080 + cuda:1 NVIDIA GeForce RTX 4080" in out
+    assert "== cuda:0 NVIDIA GeForce RTX 4080 alone" in out
+    assert "no GPU here" not in out
+
+
+def test_a_broken_section_does_not_stop_the_report(fake_comfyui, monkeypatch, capsys):
+    def broken(probe=True):
+        raise RuntimeError("driver exploded")
+    monkeypatch.setattr(devices, "detect_devices", broken)
+    rc, out = run([], capsys)
+    assert rc == 0
+    assert "could not check: RuntimeError: driver exploded" in out
+    assert "== 1x RTX 4090" in out                                      # the plan falls back to typical rigs
+    assert "version 0.3.99" in out
+
+
+def test_no_comfyui_and_no_models(tmp_path, no_gpu, monkeypatch, capsys):
+    monkeypatch.delenv("COMFYUI_PATH", raising=False)
+    monkeypatch.setattr(doctor, "find_comfyui_dir", lambda explicit=None, models_dir=None: None)
+    rc, out = run([], capsys)
+    assert rc == 0
+    assert "not found: give --comfyui DIR or set COMFYUI_PATH" in out
+    assert "no models folder: give --models <ComfyUI>/models" in out
