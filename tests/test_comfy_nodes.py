@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from pathlib import Path
 
 import pytest
@@ -32,11 +33,10 @@ NODE_CONTRACT = {
         optional={"frames": "INT", "manual_split": "STRING"},
         outputs=[("UGPUM_PLAN", "plan"), ("STRING", "report")], output_node=True),
     "UGPUMLoRATrainer": dict(
-        required={"model": "UGPUM_MODEL", "plan": "UGPUM_PLAN", "clip": "CLIP", "vae": "VAE",
-                  "dataset": "COMBO", "trigger_word": "STRING", "steps": "INT", "learning_rate": "FLOAT",
-                  "alpha": "FLOAT", "seed": "INT", "sample_prompt": "STRING", "sample_every": "INT",
-                  "save_name": "STRING"},
-        optional={},
+        required={"model": "UGPUM_MODEL", "plan": "UGPUM_PLAN", "dataset": "COMBO", "trigger_word": "STRING",
+                  "steps": "INT", "learning_rate": "FLOAT", "alpha": "FLOAT", "seed": "INT",
+                  "sample_prompt": "STRING", "sample_every": "INT", "save_name": "STRING"},
+        optional={"clip": "CLIP", "vae": "VAE"},
         outputs=[("LORA_MODEL", "lora"), ("STRING", "lora file"), ("IMAGE", "loss curve"),
                  ("IMAGE", "before / after")], output_node=True),
     "UGPUMSamplePreview": dict(
@@ -56,7 +56,7 @@ def _file_key(key: str) -> str:
     return key
 
 
-def write_tiny_flux2(path: Path, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> None:
+def write_tiny_flux2(path: Path, dtype: torch.dtype = torch.float32, seed: int = 0) -> None:
     """A real-format tiny FLUX.2 file: ComfyUI's own module's state dict, seeded random values."""
     from comfy_bridge import build_meta, init_random
     from ugpum.arch import get_spec
@@ -168,7 +168,8 @@ def test_loader_and_planner_on_a_tiny_flux2_file(server):
     entry = server.run(prompt, timeout=90)
     assert_success(entry, server)
     described = ui_text(entry, "1")
-    assert "tiny-flux2" in described and "5 blocks (2 double, 3 single)" in described
+    assert "tiny-flux2" in described and "M parameters" in described
+    assert "5 blocks (2 double, 3 single)" in described and "weights fp32 -> bf16" in described
     report = ui_text(entry, "2")
     assert report.startswith("tiny-flux2  256x256  batch 1  grad-accum 2  rank 4  bf16  checkpointing block")
     assert "forecast / budget GiB" in report and "predicted:" in report and "s/step" in report
@@ -189,7 +190,7 @@ def test_planner_forecasts_klein9b_for_described_gpus(server):
 
 @pytest.mark.parametrize("prompt, node, expected", [
     ({"1": loader(BROKEN_FILE), "2": planner(["1", 0])}, "1",
-     f"UGPUM Loader: Cannot read '{BROKEN_FILE}' as a safetensors file"),
+     f"UGPUM Loader: Cannot read '{BROKEN_FILE}': not a safetensors file"),
     ({"1": loader(KLEIN_BASE_FILE, devices="8GiB"), "2": planner(["1", 0], checkpointing="none")}, "2",
      "Partition Planner: flux2-klein-base-9b does not fit on 1 device(s)"),
     ({"1": loader(TINY_FILE, devices="rtx4090, gtx9000"), "2": planner(["1", 0])}, "1",
@@ -203,6 +204,59 @@ def test_errors_reach_the_user_as_sentences(server, prompt, node, expected):
     message = error["exception_message"]
     assert message.startswith(expected), message
     assert "\n" not in message.strip() and message.strip().endswith("."), message
+
+
+# ------------------------------------------------------------------------------------ training
+
+def trainer(save_name: str, steps: int, **kw) -> dict:
+    inputs = dict(model=["1", 0], plan=["2", 0], dataset="demo/loranne", trigger_word="loranne", steps=steps,
+                  learning_rate=1e-3, alpha=4.0, seed=1, sample_prompt="loranne, waving", sample_every=0,
+                  save_name=save_name)
+    inputs.update(kw)
+    return {"class_type": "UGPUMLoRATrainer", "inputs": inputs}
+
+
+def tiny_training_prompt(save_name: str, steps: int) -> dict:
+    """Loader -> Planner -> Trainer on the tiny FLUX.2 (fp32 file, CPU, 64 px, stand-in encoders)."""
+    return {"1": loader(TINY_FILE), "2": planner(["1", 0], resolution=64, rank=4), "3": trainer(save_name, steps)}
+
+
+def load_lora(path: Path) -> dict:
+    from safetensors.torch import load_file
+    return load_file(str(path))
+
+
+def test_trainer_writes_a_lora_comfyui_lists(server):
+    entry = server.run(tiny_training_prompt("tiny_loranne", steps=2), timeout=240)
+    assert_success(entry, server)
+    saved = server.base / "models" / "loras" / "ugpum" / "tiny_loranne.safetensors"
+    assert saved.is_file()
+    tensors = load_lora(saved)
+    assert any(k.startswith("diffusion_model.double_blocks.0.img_attn.qkv.lora_A") for k in tensors)
+    assert {t.shape[0] for k, t in tensors.items() if ".lora_A." in k} == {4}          # the plan's rank
+    assert "saved ugpum/tiny_loranne.safetensors: 2 steps" in ui_text(entry, "3")
+    run = server.output_dir / "ugpum" / "tiny_loranne"
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 2
+    lora_list = server.get_json("/models/loras")       # what every LoRA loader lists
+    assert "ugpum/tiny_loranne.safetensors" in lora_list
+
+
+def test_cancel_during_training_saves_a_loadable_lora(server):
+    prompt_id = server.queue(tiny_training_prompt("tiny_cancel", steps=100000))
+    metrics = server.output_dir / "ugpum" / "tiny_cancel" / "metrics.jsonl"
+    deadline = time.monotonic() + 180
+    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 2):
+        assert time.monotonic() < deadline, "training did not start:\n" + server.log_tail()
+        time.sleep(0.2)
+    server.interrupt()
+    entry = server.wait(prompt_id, timeout=120)
+    kinds = [kind for kind, _ in entry["status"]["messages"]]
+    assert "execution_interrupted" in kinds, kinds
+    saved = sorted((server.base / "models" / "loras" / "ugpum").glob("tiny_cancel_step*.safetensors"))
+    assert saved, "no partial LoRA next to the others:\n" + server.log_tail()
+    step = int(saved[-1].stem.rsplit("step", 1)[1])
+    assert step >= 2 and load_lora(saved[-1])
+    assert list((metrics.parent / "checkpoints").iterdir()), "no checkpoint to resume from"
 
 
 # ------------------------------------------------------------------------------------ workflow
@@ -244,7 +298,8 @@ def check_widget(node_type: str, name: str, kind: str, opts: dict, value) -> Non
     elif kind == "BOOLEAN":
         assert isinstance(value, bool), where
     if kind in ("INT", "FLOAT"):
-        assert opts.get("min", value) <= value <= opts.get("max", value), f"{where}: outside [{opts.get('min')}, {opts.get('max')}]"
+        low, high = opts.get("min", value), opts.get("max", value)
+        assert low <= value <= high, f"{where}: outside [{low}, {high}]"
 
 
 def test_example_workflow_uses_existing_nodes_with_valid_widget_values(server):
@@ -265,7 +320,13 @@ def test_example_workflow_uses_existing_nodes_with_valid_widget_values(server):
             expected.append((name, kind, opts))
             if kind == "INT" and has_control_widget(name, opts):
                 expected.append((name + ":control", "CONTROL", {}))
-        assert len(values) == len(expected), (node["type"], values, [e[0] for e in expected])
+        if node["type"] in NODE_CONTRACT:
+            assert len(values) == len(expected), (node["type"], values, [e[0] for e in expected])
+        else:
+            # The workflow targets the newest ComfyUI (klein needs it). The frontend fills widgets a
+            # file lacks with their defaults and drops values for widgets a server does not have, so
+            # a stock node may differ at the end, by widgets added or removed upstream, never before.
+            assert abs(len(values) - len(expected)) <= 1, (node["type"], values, [e[0] for e in expected])
         for (name, kind, opts), value in zip(expected, values):
             if kind == "CONTROL":
                 assert value in CONTROL_VALUES, (node["type"], name, value)
@@ -276,10 +337,10 @@ def test_example_workflow_uses_existing_nodes_with_valid_widget_values(server):
         out_types = info[nodes[origin]["type"]]["output"]
         assert out_types[origin_slot] == kind, (link_id, out_types, kind)
         target_input = nodes[target]["inputs"][target_slot]
-        assert target_input["link"] == link_id and target_input["type"] == kind, (link_id, target_input)
+        assert target_input["link"] == link_id and target_input["type"] in (kind, "*"), (link_id, target_input)
         spec = info[nodes[target]["type"]]["input"]
         declared = {**spec.get("required", {}), **spec.get("optional", {})}[target_input["name"]][0]
-        assert declared == kind, (link_id, target_input["name"], declared, kind)
+        assert declared in (kind, "*"), (link_id, target_input["name"], declared, kind)
         assert link_id in nodes[origin]["outputs"][origin_slot]["links"]
     # the trained LoRA feeds the stock LoRA loader of the inference branch
     lora_links = [l for l in workflow["links"] if l[5] == "LORA_MODEL"]

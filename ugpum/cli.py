@@ -8,6 +8,7 @@ import sys
 
 from .arch import UnknownModel, Workload, get_spec
 from .devices import parse_device_specs
+from .bench_cli import add_bench_parser, run_bench
 from .doctor import add_doctor_parser, run_doctor
 from .download import add_download_parser, run_download
 from .plan import GIB, PlanError, make_plan
@@ -160,11 +161,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_demo_parser(sub)
     add_download_parser(sub)
     add_doctor_parser(sub)
+    add_bench_parser(sub)
     return parser
 
 
 COMMANDS = {"plan": run_plan, "train": run_train, "demo": run_demo, "download": run_download,
-            "doctor": run_doctor}
+            "doctor": run_doctor, "bench": run_bench}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,6 +6,7 @@ model. `Placement.undo` puts everything back where it was and removes the hooks.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,16 +23,34 @@ class Layout:
     first: str                             # everything that is neither a block nor a tail module
     last: str
     tail_modules: tuple[str, ...] = ()     # run after the blocks (FLUX.2 final_layer, Wan head)
+    # Block paths of each pipeline stage, in run order. Empty: a stage is each run of consecutive
+    # blocks on one device. Needed when two stages share a device (tests, the one-GPU benchmark).
+    stages: tuple[tuple[str, ...], ...] = ()
 
     @classmethod
     def from_plan(cls, plan, devices: list[str], tail_modules: tuple[str, ...] = ()) -> "Layout":
         """Devices are the torch devices of the plan's stages, in stage order."""
-        blocks = {}
+        blocks, stages = {}, []
         for stage, dev in zip(plan.stages, devices):
-            for i in range(*stage.blocks):
-                blocks[plan.block_paths[i]] = dev
+            paths = tuple(plan.block_paths[i] for i in range(*stage.blocks))
+            blocks.update({p: dev for p in paths})
+            if paths:
+                stages.append(paths)
         busy = [d for s, d in zip(plan.stages, devices) if s.blocks[1] > s.blocks[0]] or devices
-        return cls(blocks, busy[0], busy[-1], tail_modules)
+        return cls(blocks, busy[0], busy[-1], tail_modules, tuple(stages))
+
+    def stage_blocks(self) -> list[tuple[str, ...]]:
+        """Block paths of each stage, in run order (see `stages`)."""
+        if self.stages:
+            return [tuple(s) for s in self.stages if s]
+        runs: list[list[str]] = []
+        previous = None
+        for path, dev in self.blocks.items():
+            if not runs or dev != previous:
+                runs.append([])
+            runs[-1].append(path)
+            previous = dev
+        return [tuple(r) for r in runs]
 
     def device_of(self, path: str) -> str:
         """Device of the module at `path` or of the placed unit that contains it."""
@@ -96,12 +115,16 @@ def _device_of_module(module: nn.Module) -> torch.device:
 
 
 def place(model: nn.Module, layout: Layout, checkpoint: str | Path | None = None, key_prefix: str = "",
-          dtype: torch.dtype | None = None) -> Placement:
+          dtype: torch.dtype | None = None, weights_on: dict[str, str] | None = None) -> Placement:
     """Put each unit on its device and install the router.
 
     With `checkpoint`, the model must have been built on the meta device: each unit is allocated on
     its device and filled tensor by tensor from the file (safetensors reads only the bytes asked for).
+    `weights_on` (unit path -> device) stores those units' weights elsewhere than they run: block
+    swap keeps offloaded blocks in host memory (`ugpum.swap`); the router still moves their inputs
+    to the layout's device.
     """
+    storage = dataclasses.replace(layout, blocks={**layout.blocks, **weights_on}) if weights_on else layout
     units = _units(model, layout)
     router = Router()
     placement = Placement(model, layout, router)
@@ -111,11 +134,11 @@ def place(model: nn.Module, layout: Layout, checkpoint: str | Path | None = None
         placement.original_devices[path] = _device_of_module(model.get_submodule(path))
     if checkpoint is not None:
         from .stream_load import fill_from_file
-        fill_from_file(model, layout, Path(checkpoint), key_prefix, dtype)
+        fill_from_file(model, storage, Path(checkpoint), key_prefix, dtype)
     else:
         _move_own(model, torch.device(layout.first), rest_skip)
         for path in units:
-            model.get_submodule(path).to(torch.device(layout.device_of(path)))
+            model.get_submodule(path).to(torch.device(storage.device_of(path)))
     router.reset_each_call(model)
     router.route_into(model, layout.first)
     for path in units:

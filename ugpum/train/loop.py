@@ -15,11 +15,13 @@ from typing import Callable
 import torch
 
 from ..arch import Workload, get_spec
+from ..atomic import atomic_path
 from ..checkpointing import checkpoint_blocks
 from ..devices import Device, host_device, parse_device_specs
 from ..inplace_guard import guard_inplace_residuals
 from ..lora_file import dataset_hash, lora_metadata, save_lora
 from ..place import Layout, place
+from ..report import grid, to_pil
 from ..plan import Plan, make_plan
 from .cache import FeatureCache
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -29,6 +31,8 @@ from .encoders import Encoders, StandInEncoders
 from .flow import flow_loss, flux2_image_seq_len, noisy, sample_timesteps
 from .lora import LoraSet, attach_lora, lora_targets
 from .progress import Progress
+from .sampler import pad_flux2_context
+from .samples import render
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp8": torch.float8_e4m3fn}
 
@@ -49,6 +53,7 @@ class TrainResult:
     validation_after: float
     peak_gib: dict[str, float] = field(default_factory=dict)
     samples: list[Path] = field(default_factory=list)
+    sample_grid: Path | None = None
 
 
 def load_items(cfg: TrainConfig) -> list[ImageItem]:
@@ -72,7 +77,7 @@ def resolve_devices(cfg: TrainConfig) -> list[Device]:
 def micro_batch_item(k: int, n: int, seed: int) -> int:
     """Which dataset item the k-th micro-batch uses: a fresh seeded shuffle every epoch."""
     epoch, i = divmod(k, n)
-    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    g = torch.Generator().manual_seed((seed * 1_000_003 + epoch) % 2**63)
     return int(torch.randperm(n, generator=g)[i])
 
 
@@ -95,10 +100,15 @@ def make_optimizer(cfg: TrainConfig, params: list[torch.nn.Parameter]) -> torch.
     return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
 
+def model_context(spec, context: torch.Tensor) -> torch.Tensor:
+    """[1, L, C] text context as ComfyUI feeds it: FLUX.2 pads it to 512 tokens (zeros in front)."""
+    return pad_flux2_context(context[None]) if spec.family == "flux2" else context[None]
+
+
 def micro_step(model, spec, cfg: TrainConfig, latent: torch.Tensor, context: torch.Tensor, k: int,
                first: str, scale: float) -> float:
     """Forward and backward of one micro-batch; gradients accumulate into the LoRA."""
-    g = torch.Generator().manual_seed(cfg.seed * 7_919 + k)      # the same draws on any device
+    g = torch.Generator().manual_seed((cfg.seed * 7_919 + k) % 2**63)   # the same draws on any device
     x0 = latent[None].float()
     noise = torch.randn(x0.shape, generator=g)
     seq = flux2_image_seq_len(cfg.resolution, cfg.resolution)
@@ -107,7 +117,7 @@ def micro_step(model, spec, cfg: TrainConfig, latent: torch.Tensor, context: tor
     device = torch.device(first)
     autocast = cfg.autocast and device.type == "cuda"
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-        pred = model(xt.to(device), (t * spec.timestep_scale).to(device), context[None].to(device),
+        pred = model(xt.to(device), (t * spec.timestep_scale).to(device), model_context(spec, context).to(device),
                      transformer_options={})
     out = pred.device
     loss = flow_loss(pred.float(), x0.to(out), noise.to(out), t.to(out), cfg.weighting)
@@ -133,7 +143,7 @@ def validation_loss(model, spec, cfg: TrainConfig, latents, contexts, first: str
             device = torch.device(first)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.autocast and device.type == "cuda"):
                 pred = model(noisy(x0, noise, tt).to(device), (tt * spec.timestep_scale).to(device),
-                             contexts[i][None].to(device), transformer_options={})
+                             model_context(spec, contexts[i]).to(device), transformer_options={})
             out = pred.device
             total += flow_loss(pred.float(), x0.to(out), noise.to(out), tt.to(out)).item()
             n += 1
@@ -178,7 +188,8 @@ def save_final_lora(cfg: TrainConfig, spec, lora: LoraSet, out: Path, steps: int
 
 def train(cfg: TrainConfig, out: str | Path, encoders: Encoders | None = None, model=None, key_prefix: str = "",
           resume: bool = False, on_step: Callable[[int, int, float], None] | None = None,
-          check_interrupt: Callable[[], None] | None = None, log=print) -> TrainResult:
+          check_interrupt: Callable[[], None] | None = None, log=print,
+          on_sample: Callable[[int, object], None] | None = None, plan: Plan | None = None) -> TrainResult:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     spec = get_spec(cfg.model)
@@ -191,14 +202,22 @@ def train(cfg: TrainConfig, out: str | Path, encoders: Encoders | None = None, m
     rng = random.Random(cfg.seed)
     captions = [caption_dropout(item.caption, cfg.caption_dropout, rng) for item in items]
     contexts = [cache.text(c) for c in captions]
+    if cfg.sample_every:
+        prompt = cache.text(cfg.sample_prompt or items[0].caption)
+        negative = cache.text("")
     log(f"features: {len(items)} items, cache {cache.hits} hit(s), {cache.misses} computed")
+    release_encoders = getattr(encoders, "release", None)
+    if release_encoders:
+        release_encoders()                           # text encoder and VAE leave the GPUs before the DiT
 
     # 2. plan, then the placed model with its LoRA
-    devices = resolve_devices(cfg)
-    w = Workload(width=cfg.resolution, height=cfg.resolution, frames=cfg.frames, rank=cfg.rank,
-                 checkpointing=cfg.checkpointing, weight_dtype="bf16" if cfg.weight_dtype == "fp32" else cfg.weight_dtype,
-                 text_tokens=contexts[0].shape[0])
-    plan = make_plan(spec, devices, w, grad_accum=cfg.grad_accum)
+    if plan is None:
+        w = Workload(width=cfg.resolution, height=cfg.resolution, frames=cfg.frames, rank=cfg.rank,
+                     checkpointing=cfg.checkpointing,
+                     weight_dtype="bf16" if cfg.weight_dtype == "fp32" else cfg.weight_dtype,
+                     text_tokens=model_context(spec, contexts[0]).shape[1])
+        plan = make_plan(spec, resolve_devices(cfg), w, grad_accum=cfg.grad_accum)
+    cuda_devices = sorted({s.torch_device for s in plan.stages if s.torch_device.startswith("cuda")})
     log(plan.verdict)
     model, lora, release = prepare_model(cfg, spec, plan, model, key_prefix)
     params = [p for _, a in lora.items() for p in (a.A, a.B)]
@@ -226,8 +245,24 @@ def train(cfg: TrainConfig, out: str | Path, encoders: Encoders | None = None, m
     step = start
     validation_before = validation_loss(model, spec, cfg, latents, contexts, first)
     log(f"validation loss before: {validation_before:.4f}")
+    samples: list[Path] = []
+
+    def take_sample(at: int) -> None:
+        pixels = render(model, spec, encoders.decode, prompt, negative, cfg.resolution, cfg.resolution,
+                        cfg.sample_seed, cfg.sample_steps, cfg.frames)
+        image = to_pil(pixels)
+        path = out / "samples" / f"step_{at:05d}.png"
+        path.parent.mkdir(exist_ok=True)
+        with atomic_path(path) as tmp:
+            image.save(tmp, format="PNG")
+        samples.append(path)
+        if on_sample:
+            on_sample(at, image)
+
+    if cfg.sample_every and start == 0:
+        take_sample(0)                                   # "before": the LoRA starts as a no-op
     progress = Progress(cfg.steps, start)
-    for dev in {d.torch_device for d in devices if d.torch_device.startswith("cuda")}:
+    for dev in cuda_devices:
         torch.cuda.reset_peak_memory_stats(dev)
     try:
         while step < cfg.steps:
@@ -255,6 +290,8 @@ def train(cfg: TrainConfig, out: str | Path, encoders: Encoders | None = None, m
                 on_step(step, cfg.steps, loss)
             if cfg.save_every and step % cfg.save_every == 0 and step < cfg.steps:
                 save_checkpoint(out, step, lora, optimizer, {"model": spec.id})
+            if cfg.sample_every and step % cfg.sample_every == 0 and step < cfg.steps:
+                take_sample(step)
     except BaseException:
         # Ctrl-C, ComfyUI's Cancel or an error: keep what the completed steps trained, then stop
         if step > start:
@@ -263,13 +300,19 @@ def train(cfg: TrainConfig, out: str | Path, encoders: Encoders | None = None, m
             log(f"\nstopped at step {step}: checkpoint and LoRA saved in {out}")
         release()
         raise
-    peak = {d: round(torch.cuda.max_memory_allocated(d) / 2**30, 3)
-            for d in {x.torch_device for x in devices} if d.startswith("cuda")}
+    peak = {d: round(torch.cuda.max_memory_allocated(d) / 2**30, 3) for d in cuda_devices}
     validation_after = validation_loss(model, spec, cfg, latents, contexts, first)
     log(f"validation loss after {step} steps: {validation_after:.4f}" +
         "".join(f"; peak {d}: {g:.2f} GiB" for d, g in peak.items()))
     save_checkpoint(out, step, lora, optimizer, {"model": spec.id})
     lora_path = save_final_lora(cfg, spec, lora, out, step, items, f"{cfg.output_name}.safetensors")
+    grid_path = None
+    if cfg.sample_every:
+        take_sample(step)                                # "after"
+        grid_path = out / "samples" / "before_after.png"
+        from PIL import Image
+        with Image.open(samples[0]) as before, Image.open(samples[-1]) as after:
+            grid([("before", [before.copy()]), (f"after {step}", [after.copy()])]).save(grid_path)
     release()
     return TrainResult(lora_path, step, losses, plan, cache.hits, cache.misses, validation_before,
-                       validation_after, peak)
+                       validation_after, peak, samples, grid_path)

@@ -17,16 +17,18 @@ Where the sigmas come from (float32, as ComfyUI hands them to its samplers):
   (``WAN21_T2V.sampling_settings['shift'] = 8.0``) and multiplier 1000, read by the ``simple``
   scheduler. The model takes ``timestep = 1000 sigma``.
 * FLUX.2 (``flux2_sigmas``), two ComfyUI routes:
-  - ``schedule="flux2"`` (default): the ``Flux2Scheduler`` node of ComfyUI's FLUX.2 workflows,
-    ``steps + 1`` evenly spaced t from 1 to 0, each moved by FLUX.2's resolution- and
-    step-dependent log-shift mu (``ugpum.train.flow.flux2_mu``, the same empirical fit);
+  - ``schedule="flux2"`` (default): ComfyUI's FLUX.2 scheduler node ``Flux2Scheduler``
+    (comfy_extras/nodes_flux.py; BFL's reference schedule): ``steps + 1`` evenly spaced t from 1
+    to 0, each moved by FLUX.2's resolution- and step-dependent log-shift mu
+    (``ugpum.train.flow.flux2_mu``, the same empirical fit);
   - ``schedule="simple"``: the plain KSampler with scheduler ``simple`` on the model's own
     ``ModelSamplingFlux`` (``Flux2.sampling_settings['shift'] = 2.02``, a log-shift: the factor
     is e^2.02 ~ 7.5, independent of resolution).
   The model takes ``timestep = sigma`` (it multiplies by 1000 inside its time embedding).
 
-ComfyUI evaluates its schedules in float32; this module does the same arithmetic, so on the
-same torch the sigmas come out as the very float32 values ComfyUI would use.
+ComfyUI evaluates its schedules in float32; this module does the same arithmetic, and
+tests/test_sampler.py checks that the sigmas are the very float32 values ComfyUI uses (bit for bit,
+over 1..100 steps and a grid of FLUX.2 resolutions).
 
 The FLUX.2 time shift, written as ComfyUI and BFL write it, is
 sigma = e^mu / (e^mu + (1/t - 1)), i.e. the flow shift s t / (1 + (s - 1) t) with s = e^mu.
@@ -110,7 +112,8 @@ def _with_zero(sigmas: torch.Tensor) -> torch.Tensor:
 
 def flux2_sigmas(steps: int, image_seq_len: int | None = None, *, mu: float | None = None,
                  schedule: str = "flux2") -> torch.Tensor:
-    """``steps + 1`` float32 sigmas from 1 down to 0 for FLUX.2.
+    """``steps + 1`` float32 sigmas from 1 down to 0 for FLUX.2 (the first can be 1 - 2^-24,
+    as in ComfyUI: e^mu * (1 / e^mu) rounded in float32).
 
     schedule="flux2" (ComfyUI's ``Flux2Scheduler``): t evenly spaced from 1 to 0, shifted by
     mu = flux2_mu(image_seq_len, steps) unless ``mu`` is given. ``image_seq_len`` is the number of
@@ -140,7 +143,7 @@ def wan_sigmas(steps: int, shift: float = WAN21_SHIFT) -> torch.Tensor:
     ComfyUI's ModelSamplingDiscreteFlow (1000 entries, flow shift ``shift``, multiplier 1000)."""
     _check_steps(steps)
     # (ComfyUI stores these as timesteps 1000 t and divides by 1000 again; in float32 that round
-    # trip returns every k / 1000 unchanged, which tests/test_sampler.py checks for all step counts.)
+    # trip returns every k / 1000 unchanged: tests/test_sampler.py compares with ComfyUI's table.)
     t = torch.tensor(_simple_ks(steps, FLOW_TABLE_SIZE), dtype=torch.int64) / FLOW_TABLE_SIZE
     sigmas = t if shift == 1.0 else shift_timesteps(t, shift)
     return _with_zero(sigmas)
@@ -170,16 +173,18 @@ class ModelFn:
         return self._sigmas_for(steps, latent)
 
 
+_COMPUTE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
 def _model_dtype(model: torch.nn.Module, dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype the model's inputs are cast to (ComfyUI: the model dtype, or its manual-cast
+    dtype when the weights are stored in fp8). Stored fp8 falls back to bfloat16."""
     if dtype is not None:
         return dtype
-    d = getattr(model, "dtype", None)   # ComfyUI's Flux / WanModel record their compute dtype
-    if isinstance(d, torch.dtype):
-        return d
-    for p in model.parameters():
-        if p.is_floating_point():
-            return p.dtype
-    return torch.float32
+    d = getattr(model, "dtype", None)   # ComfyUI's Flux / WanModel record their weight dtype
+    if not isinstance(d, torch.dtype):
+        d = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    return d if d in _COMPUTE_DTYPES else torch.bfloat16
 
 
 def _input_device(module: torch.nn.Module, device) -> torch.device:
@@ -217,7 +222,9 @@ def flux2_model_fn(model: torch.nn.Module, guidance: float | None = None, *,
     mdtype = _model_dtype(model, dtype)
     params = getattr(model, "params", None)
     has_guidance = bool(getattr(params, "guidance_embed", False))
-    g = (SAMPLING_DEFAULTS["flux2-dev"].guidance if guidance is None else float(guidance)) if has_guidance else None
+    g = None
+    if has_guidance:
+        g = SAMPLING_DEFAULTS["flux2-dev"].guidance if guidance is None else float(guidance)
     entry = getattr(model, "img_in", model)
 
     def call(x, sigma, context):

@@ -1,0 +1,34 @@
+"""Preview images during training: ComfyUI-equivalent sampling on the placed model, then decode."""
+from __future__ import annotations
+
+import torch
+
+from ..arch.base import ArchSpec
+from .sampler import SAMPLING_DEFAULTS, SamplingDefaults, comfy_noise, flux2_model_fn, sample, wan_model_fn
+
+
+def sampling_defaults(spec: ArchSpec) -> SamplingDefaults:
+    if spec.family == "wan":
+        return SAMPLING_DEFAULTS["wan2.1"]
+    if spec.guidance:
+        return SAMPLING_DEFAULTS["flux2-dev"]
+    return SAMPLING_DEFAULTS["flux2-klein" if spec.distilled else "flux2-klein-base"]
+
+
+def latent_shape(spec: ArchSpec, width: int, height: int, frames: int = 1) -> tuple[int, ...]:
+    if spec.family == "wan":
+        return (1, 16, 1 + (frames - 1) // 4, height // 8, width // 8)
+    return (1, 128, height // 16, width // 16)
+
+
+@torch.no_grad()
+def render(model, spec: ArchSpec, decode, positive: torch.Tensor, negative: torch.Tensor | None,
+           width: int, height: int, seed: int, steps: int = 0, frames: int = 1) -> torch.Tensor:
+    """One image ([3,H,W] in [-1,1]; a clip's first frame) from `positive` ([L,C] text context)."""
+    defaults = sampling_defaults(spec)
+    fn = wan_model_fn(model) if spec.family == "wan" else flux2_model_fn(model)
+    noise = comfy_noise(latent_shape(spec, width, height, frames), seed)
+    cfg = defaults.cfg if negative is not None else 1.0
+    latent = sample(fn, noise, positive[None], None if cfg == 1.0 else negative[None],
+                    steps=steps or defaults.steps, cfg=cfg)
+    return decode(latent)[0]
