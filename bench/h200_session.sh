@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# One H200 call: CUDA unit tests, then the placement/forecast and swap benchmarks.
+# Usage on the device machine: COMFYUI_PATH=<a ComfyUI checkout> bash bench/h200_session.sh OUTDIR
+set -u
+out=${1:?output folder}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+step() { echo "=== $* ($(date +%T))"; }
+step "CUDA unit tests"
+timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_place.py tests/test_swap.py 2>&1 | tail -4
+step "klein 9B checkpoint"
+timeout 90 python3 bench/place_train.py write --model flux2-klein-9b --path /tmp/k9.safetensors
+step "klein 9B placement, 1024"
+timeout 120 python3 bench/place_train.py run --path /tmp/k9.safetensors --resolution 1024 --steps 5 --out "$out/klein9b_1024.json"
+step "klein 9B placement, 768"
+timeout 100 python3 bench/place_train.py run --path /tmp/k9.safetensors --resolution 768 --steps 5 --out "$out/klein9b_768.json"
+step "klein 9B swap at 16 GiB"
+timeout 240 python3 bench/swap.py --model flux2-klein-9b --cap-gib 16 --steps 6 --out "$out" --ckpt /tmp/k9.safetensors --keep-ckpt
+rm -f /tmp/k9.safetensors
+step "Wan 14B checkpoint"
+timeout 120 python3 bench/place_train.py write --model wan2.1-14b --path /tmp/w14.safetensors
+step "Wan 14B placement, one 1024 frame"
+timeout 150 python3 bench/place_train.py run --path /tmp/w14.safetensors --resolution 1024 --steps 4 --out "$out/wan14b_1024.json"
+step "done"
