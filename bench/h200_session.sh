@@ -7,13 +7,11 @@ mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 step() { echo "=== $* ($(date +%T))"; }
 step "CUDA unit tests"
-timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_place.py tests/test_swap.py 2>&1 | tail -4
+timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_place.py tests/test_swap.py tests/test_pipeline.py 2>&1 | tail -4
 step "klein 9B checkpoint"
 timeout 90 python3 bench/place_train.py write --model flux2-klein-9b --path /tmp/k9.safetensors
 step "klein 9B placement, 1024"
 timeout 120 python3 bench/place_train.py run --path /tmp/k9.safetensors --resolution 1024 --steps 5 --out "$out/klein9b_1024.json"
-step "klein 9B placement, 768"
-timeout 100 python3 bench/place_train.py run --path /tmp/k9.safetensors --resolution 768 --steps 5 --out "$out/klein9b_768.json"
 step "klein 9B swap at 16 GiB"
 timeout 240 python3 bench/swap.py --model flux2-klein-9b --cap-gib 16 --steps 6 --out "$out" --ckpt /tmp/k9.safetensors --keep-ckpt
 rm -f /tmp/k9.safetensors
@@ -21,4 +19,8 @@ step "Wan 14B checkpoint"
 timeout 120 python3 bench/place_train.py write --model wan2.1-14b --path /tmp/w14.safetensors
 step "Wan 14B placement, one 1024 frame"
 timeout 150 python3 bench/place_train.py run --path /tmp/w14.safetensors --resolution 1024 --steps 4 --out "$out/wan14b_1024.json"
+if [ "${WITH_PIPELINE:-0}" = 1 ]; then
+  step "pipeline: two stages on one GPU vs unsplit"
+  timeout 300 python3 bench/pipeline.py --model flux2-klein-9b --out "$out"
+fi
 step "done"

@@ -1,7 +1,6 @@
 """Partition Planner: which blocks go on which GPU, and the forecast, before any weight is loaded."""
 from __future__ import annotations
 
-import inspect
 
 from comfy_api.latest import io, ui
 
@@ -93,15 +92,9 @@ class PartitionPlanner(io.ComfyNode):
         with user_errors(NODE):
             devices = resolve_devices(model)
             split = parse_split(manual_split or "", len(devices), len(model.spec.blocks))
-            extra = {}
-            if split is not None:
-                if "split" not in inspect.signature(make_plan).parameters:
-                    raise UGPUMError(f"{NODE}: this version of UGPUM cannot take a manual split yet; "
-                                     "clear the field to let the planner choose.")
-                extra["split"] = split
             w = Workload(width=resolution, height=resolution, frames=frames, batch=batch,
                          checkpointing=checkpointing == "block", weight_dtype=model.weight_dtype, rank=rank)
-            plan = make_plan(model.spec, devices, w, grad_accum=grad_accum, **extra)
+            plan = make_plan(model.spec, devices, w, grad_accum=grad_accum, split=split)
         report = format_plan(plan)
         result = UGPUMPlan(model=model, plan=plan, devices=tuple(devices), workload=w,
                            grad_accum=grad_accum, report=report)

@@ -1,9 +1,11 @@
 """Sample Preview: render a prompt on the split model, optionally with a LoRA, before/after side by side."""
 from __future__ import annotations
 
-from comfy_api.latest import io
+from comfy_api.latest import io, ui
 
-from .errors import UGPUMError
+import torch
+
+from .errors import UGPUMError, user_errors
 from .trainer import DEFAULT_SAMPLE_PROMPT
 from .types import LORA_MODEL, UGPUM_MODEL, UGPUM_PLAN, UGPUMModel, UGPUMPlan
 
@@ -24,8 +26,6 @@ class SamplePreview(io.ComfyNode):
             inputs=[
                 UGPUM_MODEL.Input("model"),
                 UGPUM_PLAN.Input("plan"),
-                io.Clip.Input("clip"),
-                io.Vae.Input("vae"),
                 io.String.Input("prompt", default=DEFAULT_SAMPLE_PROMPT, multiline=True),
                 io.Int.Input("seed", default=0, min=0, max=0xFFFFFFFFFFFFFFFF, control_after_generate=True),
                 io.Int.Input("steps", default=0, min=0, max=200,
@@ -39,18 +39,35 @@ class SamplePreview(io.ComfyNode):
                 io.Boolean.Input("before_and_after", default=True, optional=True,
                                  display_name="before and after",
                                  tooltip="With a LoRA: also render without it, for comparison."),
+                io.Clip.Input("clip", optional=True, tooltip="Stock CLIPLoader (needed for every real model)."),
+                io.Vae.Input("vae", optional=True, tooltip="Stock VAELoader (needed for every real model)."),
             ],
             outputs=[io.Image.Output("IMAGE", display_name="images",
                                      tooltip="One image, or before and after when a LoRA is connected.")],
         )
 
     @classmethod
-    def execute(cls, model: UGPUMModel, plan: UGPUMPlan, clip, vae, prompt: str, seed: int, steps: int,
+    def execute(cls, model: UGPUMModel, plan: UGPUMPlan, prompt: str, seed: int, steps: int,
                 width: int, height: int, lora=None, strength: float = 1.0,
-                before_and_after: bool = True) -> io.NodeOutput:
+                before_and_after: bool = True, clip=None, vae=None) -> io.NodeOutput:
         if plan.model.path != model.path:
             raise UGPUMError(f"{NODE}: the plan was made for {plan.model.file_name}, not {model.file_name}; "
                              "connect the same UGPUM Loader to the Partition Planner and this node.")
-        raise UGPUMError(f"{NODE}: sampling on the split model is not wired into this version of the "
-                         "pack yet (the engine is still being written); use the stock UNETLoader and a "
-                         "sampler with Load LoRA Model meanwhile.")
+        from ugpum.preview import render_on_plan
+        from ugpum.report import to_pil
+
+        from .comfy_glue import WEIGHT_TORCH_DTYPES, build_meta_model, free_comfy_memory, pil_to_image
+        from .trainer import make_encoders
+
+        dtype = WEIGHT_TORCH_DTYPES[{"fp16": "bf16"}.get(model.weight_dtype, model.weight_dtype)]
+        with user_errors(NODE), torch.inference_mode(False):
+            free_comfy_memory()
+            encoders = make_encoders(model, clip, vae)
+            positive = encoders.encode_text([prompt])[0]
+            negative = encoders.encode_text([""])[0]
+            module = build_meta_model(model.spec, dtype)
+            images = render_on_plan(model.spec, plan.plan, module, str(model.path), model.key_prefix, dtype,
+                                    encoders.decode, positive, negative, width, height, seed % 2**63, steps,
+                                    lora_tensors=lora, strength=strength, before_and_after=before_and_after)
+        batch = pil_to_image([to_pil(i) for i in images])
+        return io.NodeOutput(batch, ui=ui.PreviewImage(batch, cls=cls))

@@ -2,7 +2,6 @@
 a loss curve and before/after samples. Saves into ComfyUI's loras/ugpum/."""
 from __future__ import annotations
 
-import inspect
 import logging
 import os
 import shutil
@@ -223,10 +222,10 @@ class LoRATrainer(io.ComfyNode):
                 module = build_meta_model(model.spec, WEIGHT_TORCH_DTYPES[cfg.weight_dtype])
                 hooks = dict(on_step=lambda step, total, loss: bar.update_absolute(step, total),
                              check_interrupt=mm.throw_exception_if_processing_interrupted, log=report)
-                if "on_sample" in inspect.signature(train).parameters:     # live preview on the node
-                    hooks["on_sample"] = lambda step, image: bar.update_absolute(
-                        step, steps, preview=("JPEG", image.convert("RGB"), 512))
-                result = train(cfg, out, encoders=encoders, model=module, key_prefix=model.key_prefix, **hooks)
+                hooks["on_sample"] = lambda step, image: bar.update_absolute(     # live preview on the node
+                    step, steps, preview=("JPEG", image.convert("RGB"), 512))
+                result = train(cfg, out, encoders=encoders, model=module, key_prefix=model.key_prefix,
+                               plan=plan.plan, **hooks)
         except BaseException as exc:
             if is_interruption(exc):          # Cancel: the engine saved <name>_step<N>; list it with the LoRAs
                 partial = sorted(out.glob(f"{cfg.output_name}_step*.safetensors"), key=lambda p: p.stat().st_mtime)

@@ -40,9 +40,10 @@ NODE_CONTRACT = {
         outputs=[("LORA_MODEL", "lora"), ("STRING", "lora file"), ("IMAGE", "loss curve"),
                  ("IMAGE", "before / after")], output_node=True),
     "UGPUMSamplePreview": dict(
-        required={"model": "UGPUM_MODEL", "plan": "UGPUM_PLAN", "clip": "CLIP", "vae": "VAE",
+        required={"model": "UGPUM_MODEL", "plan": "UGPUM_PLAN",
                   "prompt": "STRING", "seed": "INT", "steps": "INT", "width": "INT", "height": "INT"},
-        optional={"lora": "LORA_MODEL", "strength": "FLOAT", "before_and_after": "BOOLEAN"},
+        optional={"lora": "LORA_MODEL", "strength": "FLOAT", "before_and_after": "BOOLEAN",
+                  "clip": "CLIP", "vae": "VAE"},
         outputs=[("IMAGE", "images")], output_node=True),
 }
 
@@ -185,7 +186,7 @@ def test_planner_forecasts_klein9b_for_described_gpus(server):
     report = ui_text(entry, "2")
     assert report.startswith("flux2-klein-base-9b  1024x1024  batch 1  grad-accum 4  rank 16  fp8")
     assert report.count("rtx4090") >= 3                       # two stages + the one-GPU swap line
-    assert "Split over 2 GPUs" in report and "one GPU with swap" in report
+    assert "Split over 2 devices" in report and "one GPU with swap" in report
 
 
 @pytest.mark.parametrize("prompt, node, expected", [
@@ -227,8 +228,14 @@ def load_lora(path: Path) -> dict:
 
 
 def test_trainer_writes_a_lora_comfyui_lists(server):
-    entry = server.run(tiny_training_prompt("tiny_loranne", steps=2), timeout=240)
+    prompt = tiny_training_prompt("tiny_loranne", steps=2)
+    prompt["4"] = {"class_type": "UGPUMSamplePreview",          # the trained LoRA, rendered on the split model
+                   "inputs": dict(model=["1", 0], plan=["2", 0], prompt="loranne, waving", seed=3, steps=0,
+                                  width=256, height=256, lora=["3", 0], strength=1.0, before_and_after=True)}
+    entry = server.run(prompt, timeout=300)
     assert_success(entry, server)
+    previews = entry["outputs"]["4"]["images"]
+    assert len(previews) == 2                                   # before and after, same seed
     saved = server.base / "models" / "loras" / "ugpum" / "tiny_loranne.safetensors"
     assert saved.is_file()
     tensors = load_lora(saved)

@@ -120,3 +120,14 @@ def test_bad_requests_exit_2_with_one_line(capsys, argv, message):
 def test_impossible_plan_names_what_would_fit():
     with pytest.raises(PlanError, match="Would fit with: .*more GPU"):
         make_plan(get_spec("flux2-dev"), [device(8, 100)], Workload())
+
+
+def test_manual_split_is_used_and_checked():
+    spec = get_spec("flux2-klein-9b")
+    devices = [device(24, 100, label="a"), device(24, 100, label="b")]
+    plan = make_plan(spec, devices, Workload(), split=[10, 22])
+    assert [s.blocks for s in plan.stages] == [[0, 10], [10, 32]]
+    with pytest.raises(PlanError, match="adding up to 32"):
+        make_plan(spec, devices, Workload(), split=[10, 10])
+    with pytest.raises(PlanError, match="do not fit"):
+        make_plan(spec, [device(24, 100), device(4, 100)], Workload(), split=[2, 30])

@@ -240,24 +240,31 @@ def load_lora(
     except Exception as error:  # safetensors raises its own types for a damaged header
         raise LoraFileError(f"LoRA file {path} is not a readable safetensors file: {error}") from error
 
+    return lora_modules(tensors, known_modules, f"LoRA file {path}"), metadata
+
+
+def lora_modules(tensors: Mapping[str, torch.Tensor], known_modules: Iterable[str] | None = None,
+                 source: str = "LoRA") -> dict[str, dict[str, torch.Tensor | float]]:
+    """{module path: {"A", "B", "alpha"}} from LoRA tensors in any of the key styles ComfyUI reads
+    (e.g. ComfyUI's LORA_MODEL dict); `source` names them in errors."""
     try:
         modules = _group_by_module(tensors, known_modules)
     except LoraFileError as error:
-        raise LoraFileError(f"LoRA file {path}: {error}") from error
+        raise LoraFileError(f"{source}: {error}") from error
     result: dict[str, dict[str, torch.Tensor | float]] = {}
     for module, parts in sorted(modules.items()):
         if "A" not in parts or "B" not in parts:
-            raise LoraFileError(f"LoRA file {path}: module {module!r} lacks its lora_A/lora_down or lora_B/lora_up tensor")
+            raise LoraFileError(f"{source}: module {module!r} lacks its lora_A/lora_down or lora_B/lora_up tensor")
         try:
             _check_pair(module, parts["A"], parts["B"])
         except LoraFileError as error:
-            raise LoraFileError(f"LoRA file {path}: {error}") from error
+            raise LoraFileError(f"{source}: {error}") from error
         rank = parts["A"].shape[0]
         alpha = float(parts["alpha"].item()) if "alpha" in parts else float(rank)
         result[module] = {"A": parts["A"], "B": parts["B"], "alpha": alpha}
     if not result:
-        raise LoraFileError(f"LoRA file {path} holds no LoRA tensors")
-    return result, metadata
+        raise LoraFileError(f"{source} holds no LoRA tensors")
+    return result
 
 
 # ---------------------------------------------------------------- dataset identity

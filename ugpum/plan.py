@@ -174,9 +174,25 @@ def _step_times(ev: _Evaluator, stages: list[Stage]) -> tuple[dict[str, list[flo
     return {"sequential": sequential, "pipelined": pipelined}, crossings, shared
 
 
-def _solve(spec: ArchSpec, devices: list[Device], w: Workload, grad_accum: int, in_flight: int):
+def manual_cuts(ev: _Evaluator, split: list[int]) -> list[int]:
+    """Stage boundaries from block counts per device; PlanError when they do not add up or fit."""
+    n, p = len(ev.spec.blocks), len(ev.devices)
+    if len(split) != p or sum(split) != n or min(split) < 0:
+        raise PlanError(f"manual split {split}: give {p} block counts (one per device) adding up to {n}")
+    cuts = [0]
+    for count in split:
+        cuts.append(cuts[-1] + count)
+    for k in range(p):
+        if ev.stage(k, cuts[k], cuts[k + 1]) is None:
+            raise PlanError(f"manual split {split}: blocks {cuts[k]}-{cuts[k + 1] - 1} do not fit on "
+                            f"{ev.devices[k].label} even with block swap; leave the split empty to let the planner choose")
+    return cuts
+
+
+def _solve(spec: ArchSpec, devices: list[Device], w: Workload, grad_accum: int, in_flight: int,
+           split: list[int] | None = None):
     ev = _Evaluator(spec, devices, w, in_flight)
-    cuts = best_split(ev)
+    cuts = manual_cuts(ev, split) if split else best_split(ev)
     if cuts is None:
         return None
     stages = []
@@ -198,10 +214,11 @@ def _solve(spec: ArchSpec, devices: list[Device], w: Workload, grad_accum: int, 
 
 
 def make_plan(spec: ArchSpec, devices: list[Device], w: Workload, grad_accum: int = 1,
-              in_flight: int = 1) -> Plan:
+              in_flight: int = 1, split: list[int] | None = None) -> Plan:
+    """The best plan (or the given `split`: blocks per device) with its forecast."""
     if not devices:
         raise PlanError("no device to plan for: give at least one --gpu (e.g. 16GiB, rtx4090, auto)")
-    solved = _solve(spec, devices, w, grad_accum, in_flight)
+    solved = _solve(spec, devices, w, grad_accum, in_flight, split)
     if solved is None:
         raise PlanError(_explain_failure(spec, devices, w, grad_accum, in_flight))
     swap = None
@@ -226,8 +243,8 @@ def verdict(plan: Plan, devices: list[Device]) -> str:
         if plan.offloaded_blocks:
             return (f"One GPU with block swap: {here}, streaming {plan.swap_bytes_per_step / GIB:.1f} GiB "
                     f"per step over {devices[0].link}; a second GPU would keep those blocks resident.")
-        return f"Fits on one GPU without swap: {here}."
-    split = (f"Split over {len(busy)} GPUs: {here}, {plan.crossing_bytes_per_step / MIB:.0f} MiB per step "
+        return f"Fits on {devices[0].label} without swap: {here}."
+    split = (f"Split over {len(busy)} devices: {here}, {plan.crossing_bytes_per_step / MIB:.0f} MiB per step "
              f"between GPUs ({link})")
     if plan.offloaded_blocks:
         split += f" plus {plan.swap_bytes_per_step / GIB:.1f} GiB of block swap"

@@ -1,0 +1,52 @@
+"""Render prompts on a model placed by a plan, optionally with a LoRA at a strength: the engine
+behind the Sample Preview node. Before/after uses the same seed with the LoRA at 0 and at strength."""
+from __future__ import annotations
+
+import torch
+
+from .arch.base import ArchSpec
+from .lora_file import lora_modules
+from .place import place
+from .swap import place_with_swap, swap_plan
+from .train.lora import LoraSet
+from .train.samples import render
+
+
+def attach_lora_tensors(model, tensors: dict[str, torch.Tensor]) -> LoraSet:
+    """Adapters holding a trained LoRA's weights (any key style ComfyUI reads), on their layers' devices."""
+    lora = LoraSet()
+    for path, parts in lora_modules(tensors, source="the connected LoRA").items():
+        a, b = parts["A"], parts["B"]
+        adapter = lora.add(model, path, a.shape[0], parts["alpha"])
+        with torch.no_grad():
+            adapter.A.copy_(a)
+            adapter.B.copy_(b)
+    return lora
+
+
+@torch.no_grad()
+def render_on_plan(spec: ArchSpec, plan, model, model_file: str, key_prefix: str, weight_dtype, decode,
+                   positive: torch.Tensor, negative: torch.Tensor | None, width: int, height: int,
+                   seed: int, steps: int = 0, lora_tensors: dict | None = None, strength: float = 1.0,
+                   before_and_after: bool = True) -> list[torch.Tensor]:
+    """Images ([3,H,W] in [-1,1]): without and with the LoRA, or just one. The model (built on meta,
+    streamed from `model_file`) is placed for the call and released afterwards."""
+    layout, offloaded = swap_plan(plan, [s.torch_device for s in plan.stages], spec.tail_modules)
+    on_meta = any(p.is_meta for p in model.parameters())
+    checkpoint = model_file if on_meta else None
+    placement = (place_with_swap(model, layout, offloaded, checkpoint=checkpoint, key_prefix=key_prefix,
+                                 dtype=weight_dtype) if offloaded else
+                 place(model, layout, checkpoint=checkpoint, key_prefix=key_prefix, dtype=weight_dtype))
+    lora = attach_lora_tensors(model, lora_tensors) if lora_tensors else None
+    strengths = ([0.0] if lora and before_and_after else []) + [strength if lora else 0.0]
+    try:
+        images = []
+        for s in strengths:
+            if lora:
+                lora.set_strength(s)
+            images.append(render(model, spec, decode, positive, negative, width, height, seed, steps))
+        return images
+    finally:
+        if lora:
+            lora.remove()
+        placement.undo("meta" if on_meta else None)
