@@ -179,3 +179,12 @@ def test_lora_loads_through_comfyui_and_patched_forward_matches(full_run):
         theirs = model(x, t, ctx, transformer_options={})
     torch.testing.assert_close(theirs, ours, rtol=1e-4, atol=1e-5)
     assert (ours - model(x, t, ctx, transformer_options={})).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pipelined_accumulation_trains_the_same_lora(tmp_path, schedule):
+    seq = train(cfg(steps=3, grad_accum=3, devices=["cpu", "cpu"], schedule="sequential"), tmp_path / "s", **QUIET)
+    pipe = train(cfg(steps=3, grad_accum=3, devices=["cpu", "cpu"], schedule=schedule), tmp_path / "p", **QUIET)
+    a, b = lora_tensors(seq.lora_path), lora_tensors(pipe.lora_path)
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-6, atol=1e-7)

@@ -20,6 +20,7 @@ from ..checkpointing import checkpoint_blocks
 from ..devices import Device, host_device, parse_device_specs
 from ..inplace_guard import guard_inplace_residuals
 from ..lora_file import dataset_hash, lora_metadata, save_lora
+from ..pipeline import accumulate, best_schedule
 from ..place import place
 from ..swap import place_with_swap, swap_plan
 from ..report import grid, to_pil
@@ -106,9 +107,9 @@ def model_context(spec, context: torch.Tensor) -> torch.Tensor:
     return pad_flux2_context(context[None]) if spec.family == "flux2" else context[None]
 
 
-def micro_step(model, spec, cfg: TrainConfig, latent: torch.Tensor, context: torch.Tensor, k: int,
-               first: str, scale: float) -> float:
-    """Forward and backward of one micro-batch; gradients accumulate into the LoRA."""
+def micro_loss(model, spec, cfg: TrainConfig, latent: torch.Tensor, context: torch.Tensor, k: int,
+               first: str) -> torch.Tensor:
+    """Forward of the k-th micro-batch: its flow-matching loss (the caller runs backward)."""
     g = torch.Generator().manual_seed((cfg.seed * 7_919 + k) % 2**63)   # the same draws on any device
     x0 = latent[None].float()
     noise = torch.randn(x0.shape, generator=g)
@@ -121,10 +122,7 @@ def micro_step(model, spec, cfg: TrainConfig, latent: torch.Tensor, context: tor
         pred = model(xt.to(device), (t * spec.timestep_scale).to(device), model_context(spec, context).to(device),
                      transformer_options={})
     out = pred.device
-    loss = flow_loss(pred.float(), x0.to(out), noise.to(out), t.to(out), cfg.weighting)
-    if scale:
-        (loss * scale).backward()
-    return loss.item()
+    return flow_loss(pred.float(), x0.to(out), noise.to(out), t.to(out), cfg.weighting)
 
 
 VALIDATION_T = (0.25, 0.5, 0.75)
@@ -178,7 +176,7 @@ def prepare_model(cfg: TrainConfig, spec, plan: Plan, model=None, key_prefix: st
         for g in guards:
             g.remove()
         placement.undo()
-    return model, lora, release
+    return model, lora, placement.layout, release
 
 
 def save_final_lora(cfg: TrainConfig, spec, lora: LoraSet, out: Path, steps: int, items, name: str) -> Path:
@@ -223,7 +221,10 @@ def train(cfg: TrainConfig, out: str | Path, encoders: Encoders | None = None, m
         plan = make_plan(spec, resolve_devices(cfg), w, grad_accum=cfg.grad_accum)
     cuda_devices = sorted({s.torch_device for s in plan.stages if s.torch_device.startswith("cuda")})
     log(plan.verdict)
-    model, lora, release = prepare_model(cfg, spec, plan, model, key_prefix)
+    model, lora, layout, release = prepare_model(cfg, spec, plan, model, key_prefix)
+    schedule = best_schedule(plan, cfg.grad_accum) if cfg.schedule == "auto" else cfg.schedule
+    if cfg.grad_accum > 1:
+        log(f"micro-batch schedule: {schedule}")
     params = [p for _, a in lora.items() for p in (a.A, a.B)]
     optimizer = make_optimizer(cfg, params)
 
@@ -273,13 +274,14 @@ def train(cfg: TrainConfig, out: str | Path, encoders: Encoders | None = None, m
             t0 = time.perf_counter()
             for group in optimizer.param_groups:
                 group["lr"] = cfg.lr * lr_factor(cfg, step)
-            loss = 0.0
-            for j in range(cfg.grad_accum):
-                if check_interrupt:
-                    check_interrupt()
-                k = step * cfg.grad_accum + j
+            if check_interrupt:
+                check_interrupt()
+
+            def one(k: int) -> torch.Tensor:
                 i = micro_batch_item(k, len(items), cfg.seed)
-                loss += micro_step(model, spec, cfg, latents[i], contexts[i], k, first, 1 / cfg.grad_accum) / cfg.grad_accum
+                return micro_loss(model, spec, cfg, latents[i], contexts[i], k, first) / cfg.grad_accum
+            ks = [step * cfg.grad_accum + j for j in range(cfg.grad_accum)]
+            loss = sum(float(x) for x in accumulate(one, ks, schedule, layout, model))
             if cfg.max_grad_norm:
                 torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
             optimizer.step()
