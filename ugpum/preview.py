@@ -6,8 +6,7 @@ import torch
 
 from .arch.base import ArchSpec
 from .lora_file import lora_modules
-from .place import place
-from .swap import place_with_swap, swap_plan
+from .swap import place_by_plan
 from .train.lora import LoraSet
 from .train.samples import render
 
@@ -31,12 +30,8 @@ def render_on_plan(spec: ArchSpec, plan, model, model_file: str, key_prefix: str
                    before_and_after: bool = True) -> list[torch.Tensor]:
     """Images ([3,H,W] in [-1,1]): without and with the LoRA, or just one. The model (built on meta,
     streamed from `model_file`) is placed for the call and released afterwards."""
-    layout, offloaded = swap_plan(plan, [s.torch_device for s in plan.stages], spec.tail_modules)
     on_meta = any(p.is_meta for p in model.parameters())
-    checkpoint = model_file if on_meta else None
-    placement = (place_with_swap(model, layout, offloaded, checkpoint=checkpoint, key_prefix=key_prefix,
-                                 dtype=weight_dtype) if offloaded else
-                 place(model, layout, checkpoint=checkpoint, key_prefix=key_prefix, dtype=weight_dtype))
+    placement = place_by_plan(model, plan, spec.tail_modules, model_file, key_prefix, weight_dtype)
     lora = attach_lora_tensors(model, lora_tensors) if lora_tensors else None
     strengths = ([0.0] if lora and before_and_after else []) + [strength if lora else 0.0]
     try:

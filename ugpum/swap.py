@@ -558,3 +558,16 @@ def place_with_swap(model: nn.Module, layout, offloaded: Sequence[str], checkpoi
         placement.undo()
         raise
     return SwapPlacement(placement, swaps)
+
+
+def place_by_plan(model: nn.Module, plan, tail_modules: tuple[str, ...], model_file: str = "",
+                  key_prefix: str = "", dtype: torch.dtype | None = None):
+    """Apply a plan: blocks on their stages' devices, the swap tier (if any) streamed from host memory,
+    weights read from `model_file` when the model was built on the meta device. Returns the
+    placement; `.undo()` releases it."""
+    from .place import place
+    layout, offloaded = swap_plan(plan, [s.torch_device for s in plan.stages], tail_modules)
+    checkpoint = model_file if any(p.is_meta for p in model.parameters()) else None
+    if offloaded:
+        return place_with_swap(model, layout, offloaded, checkpoint=checkpoint, key_prefix=key_prefix, dtype=dtype)
+    return place(model, layout, checkpoint=checkpoint, key_prefix=key_prefix, dtype=dtype)

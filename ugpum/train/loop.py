@@ -21,8 +21,7 @@ from ..devices import Device, host_device, parse_device_specs
 from ..inplace_guard import guard_inplace_residuals
 from ..lora_file import dataset_hash, lora_metadata, save_lora
 from ..pipeline import accumulate, best_schedule
-from ..place import place
-from ..swap import place_with_swap, swap_plan
+from ..swap import place_by_plan
 from ..report import grid, to_pil
 from ..plan import Plan, make_plan
 from .cache import FeatureCache
@@ -156,14 +155,7 @@ def prepare_model(cfg: TrainConfig, spec, plan: Plan, model=None, key_prefix: st
     if model is None:                       # outside ComfyUI: ComfyUI's model classes via the bridge
         from comfy_bridge import build_dit
         model, key_prefix = build_dit(spec, dtype, cfg.model_file, seed=cfg.seed)
-    layout, offloaded = swap_plan(plan, [s.torch_device for s in plan.stages], spec.tail_modules)
-    on_meta = any(p.is_meta for p in model.parameters())
-    checkpoint = cfg.model_file if on_meta else None
-    if offloaded:                          # blocks the GPUs cannot hold stream from pinned host memory
-        placement = place_with_swap(model, layout, offloaded, checkpoint=checkpoint, key_prefix=key_prefix,
-                                    dtype=dtype)
-    else:
-        placement = place(model, layout, checkpoint=checkpoint, key_prefix=key_prefix, dtype=dtype)
+    placement = place_by_plan(model, plan, spec.tail_modules, cfg.model_file, key_prefix, dtype)
     block_paths = [b.path for b in spec.blocks]
     guards = guard_inplace_residuals(model, include_rms=False)
     undo_ckpt = checkpoint_blocks(model, block_paths) if cfg.checkpointing else (lambda: None)
