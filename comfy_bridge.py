@@ -189,12 +189,12 @@ def build_meta(spec, dtype):
         import comfy
     else:
         comfy = import_comfy(find_comfyui_or_raise(), cpu=not torch.cuda.is_available())
+    # fp8 weights are cast to the compute dtype per call (ComfyUI's manual_cast ops); others run as stored
+    ops = comfy.ops.manual_cast if dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else comfy.ops.disable_weight_init
     with torch.device("meta"):
         if spec.family == "wan":
-            return comfy.ldm.wan.model.WanModel(operations=comfy.ops.disable_weight_init, dtype=dtype,
-                                                device="meta", **wan_kwargs(spec))
-        return comfy.ldm.flux.model.Flux(operations=comfy.ops.disable_weight_init, dtype=dtype,
-                                         device="meta", **flux2_kwargs(spec))
+            return comfy.ldm.wan.model.WanModel(operations=ops, dtype=dtype, device="meta", **wan_kwargs(spec))
+        return comfy.ldm.flux.model.Flux(operations=ops, dtype=dtype, device="meta", **flux2_kwargs(spec))
 
 
 def find_comfyui_or_raise() -> Path:

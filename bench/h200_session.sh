@@ -12,6 +12,10 @@ step "klein 9B checkpoint"
 timeout 90 python3 bench/place_train.py write --model flux2-klein-9b --path /tmp/k9.safetensors
 step "klein 9B placement, 1024"
 timeout 120 python3 bench/place_train.py run --path /tmp/k9.safetensors --resolution 1024 --steps 5 --out "$out/klein9b_1024.json"
+step "klein 9B: 20 training steps through the engine (python -m ugpum train)"
+timeout 150 python3 -m ugpum train --profile klein-9b-1024 --model /tmp/k9.safetensors --dataset demo_datasets/loranne \
+  --steps 20 --stand-in-encoders --sample-every 0 --out /tmp/train_klein > "$out/train_klein.log" 2>&1
+tail -4 "$out/train_klein.log"; cp /tmp/train_klein/metrics.jsonl "$out/train_klein_metrics.jsonl"
 step "klein 9B swap at 16 GiB"
 timeout 240 python3 bench/swap.py --model flux2-klein-9b --cap-gib 16 --steps 6 --out "$out" --ckpt /tmp/k9.safetensors --keep-ckpt
 rm -f /tmp/k9.safetensors

@@ -188,3 +188,16 @@ def test_pipelined_accumulation_trains_the_same_lora(tmp_path, schedule):
     a, b = lora_tensors(seq.lora_path), lora_tensors(pipe.lora_path)
     for k in a:
         torch.testing.assert_close(b[k], a[k], rtol=1e-6, atol=1e-7)
+
+
+def test_fp8_base_weights_train(tmp_path):
+    """Frozen fp8 weights go through ComfyUI's manual-cast ops; the LoRA stays fp32."""
+    result = train(cfg(steps=3, weight_dtype="fp8"), tmp_path, **QUIET)
+    assert result.steps_done == 3 and all(l == l for l in result.losses)      # finite, not NaN
+    assert all(t.dtype == torch.float32 for t in lora_tensors(result.lora_path).values())
+
+
+def test_real_models_refuse_to_train_without_their_encoders(tmp_path):
+    from ugpum.train.loop import TrainingError
+    with pytest.raises(TrainingError, match="needs its text encoder and VAE"):
+        train(load_config("klein-9b-1024", overrides=dict(dataset=str(DATASET))), tmp_path, **QUIET)

@@ -114,11 +114,16 @@ def add_train_parser(sub) -> None:
     p.add_argument("--grad-accum", type=int)
     p.add_argument("--resume", metavar="DIR", help="continue the run whose output folder is DIR")
     p.add_argument("--out", help="output folder (LoRA, metrics.jsonl, samples/, checkpoints/)")
+    p.add_argument("--stand-in-encoders", action="store_true",
+                   help="fixed random encoders instead of a VAE/text encoder (benchmarks on random weights)")
+    p.add_argument("--sample-every", type=int, help="render a sample every N steps (0: never)")
 
 
 def train_config_from_args(args):
     overrides = {"dataset": args.dataset, "steps": args.steps, "grad_accum": args.grad_accum,
-                 "devices": args.devices.split(",") if args.devices else None}
+                 "devices": args.devices.split(",") if args.devices else None,
+                 "stand_in_encoders": True if args.stand_in_encoders else None,
+                 "sample_every": args.sample_every}
     if args.model:
         from .arch import recognise
         overrides["model"] = recognise(args.model)[0].id

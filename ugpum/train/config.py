@@ -50,6 +50,8 @@ class TrainConfig:
     sample_seed: int = 0
     output_name: str = "ugpum_lora"
     cache_dir: str = ""                   # latents/text cache; empty: <out>/cache
+    stand_in_encoders: bool = False       # fixed random encoders instead of a VAE/text encoder
+                                          # (tiny models, benchmarks on random weights)
 
     def validate(self) -> "TrainConfig":
         def need(ok: bool, name: str, what: str):
@@ -85,9 +87,11 @@ PROFILES: dict[str, dict] = {
                           sample_every=10, timesteps="flux2"),
     # tiny random-weight models: the same code paths in seconds on a CPU (tests, demo without weights)
     "tiny-flux2": dict(model="tiny-flux2", resolution=64, rank=4, alpha=4.0, steps=50, lr=1e-2,
-                       sample_every=25, timesteps="logit_normal", weight_dtype="fp32", autocast=False),
+                       sample_every=25, timesteps="logit_normal", weight_dtype="fp32", autocast=False,
+                       stand_in_encoders=True),
     "tiny-wan": dict(model="tiny-wan", resolution=64, rank=4, alpha=4.0, steps=50, lr=1e-2,
-                     sample_every=25, timesteps="logit_normal", weight_dtype="fp32", autocast=False),
+                     sample_every=25, timesteps="logit_normal", weight_dtype="fp32", autocast=False,
+                     stand_in_encoders=True),
 }
 
 

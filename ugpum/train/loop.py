@@ -190,7 +190,12 @@ def train(cfg: TrainConfig, out: str | Path, encoders: Encoders | None = None, m
 
     # 1. data, then every latent and caption embedding through the cache (encoders released after)
     items = load_items(cfg)
-    encoders = encoders or StandInEncoders(spec)
+    if encoders is None:
+        if not cfg.stand_in_encoders:
+            raise TrainingError(f"{spec.id} needs its text encoder and VAE: train it from the LoRA Trainer node "
+                                "(stock CLIPLoader and VAELoader), or set stand_in_encoders for a benchmark "
+                                "on random weights")
+        encoders = StandInEncoders(spec)
     cache = FeatureCache(cfg.cache_dir or out / "cache", encoders)
     latents = [cache.latent(item) for item in items]
     rng = random.Random(cfg.seed)
