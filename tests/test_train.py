@@ -201,3 +201,15 @@ def test_real_models_refuse_to_train_without_their_encoders(tmp_path):
     from ugpum.train.loop import TrainingError
     with pytest.raises(TrainingError, match="needs its text encoder and VAE"):
         train(load_config("klein-9b-1024", overrides=dict(dataset=str(DATASET))), tmp_path, **QUIET)
+
+
+def test_cli_train_writes_the_output_folder(tmp_path, capsys):
+    from ugpum.cli import main
+    out = tmp_path / "run"
+    assert main(["train", "--profile", "tiny-flux2", "--dataset", str(DATASET), "--devices", "cpu",
+                 "--steps", "2", "--sample-every", "1", "--out", str(out)]) == 0
+    assert (out / "ugpum_lora.safetensors").is_file() and (out / "metrics.jsonl").is_file()
+    assert {p.name for p in (out / "samples").iterdir()} >= {"step_00000.png", "step_00002.png", "before_after.png"}
+    assert (out / "checkpoints" / "latest.json").is_file()
+    assert main(["train", "--profile", "tiny-flux2", "--dataset", str(DATASET)]) == 2      # no --out
+    assert "--out" in capsys.readouterr().err
