@@ -20,7 +20,7 @@ from ..checkpointing import checkpoint_blocks
 from ..devices import Device, host_device, parse_device_specs
 from ..inplace_guard import guard_inplace_residuals
 from ..lora_file import dataset_hash, lora_metadata, save_lora
-from ..pipeline import accumulate, best_schedule
+from ..pipeline import accumulate, best_schedule, in_flight
 from ..swap import place_by_plan
 from ..report import grid, to_pil
 from ..plan import Plan, make_plan
@@ -215,7 +215,12 @@ def train(cfg: TrainConfig, out: str | Path, encoders: Encoders | None = None, m
                      checkpointing=cfg.checkpointing,
                      weight_dtype="bf16" if cfg.weight_dtype == "fp32" else cfg.weight_dtype,
                      text_tokens=model_context(spec, contexts[0]).shape[1])
-        plan = make_plan(spec, resolve_devices(cfg), w, grad_accum=cfg.grad_accum)
+        devices = resolve_devices(cfg)
+        plan = make_plan(spec, devices, w, grad_accum=cfg.grad_accum)
+        schedule = best_schedule(plan, cfg.grad_accum) if cfg.schedule == "auto" else cfg.schedule
+        held = in_flight(schedule, len(devices), cfg.grad_accum)
+        if held > 1:                      # pipelined micro-batches keep several activations per stage
+            plan = make_plan(spec, devices, w, grad_accum=cfg.grad_accum, in_flight=held)
     cuda_devices = sorted({s.torch_device for s in plan.stages if s.torch_device.startswith("cuda")})
     log(plan.verdict)
     model, lora, layout, release = prepare_model(cfg, spec, plan, model, key_prefix)
