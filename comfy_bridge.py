@@ -224,3 +224,80 @@ def build_dit(spec, dtype, model_file: str = "", seed: int = 0):
     if not spec.id.startswith("tiny"):
         raise ValueError(f"{spec.id}: give the model file (--model FILE); random weights are for tiny models only")
     return build_random(spec, dtype, seed), ""
+
+
+# ------------------------------------------------------------------- ComfyUI's CLIP and VAE objects
+
+LATENT_FORMATS = {"flux2": "Flux2", "wan": "Wan21"}
+CLIP_TYPES = {"flux2": "FLUX2", "wan": "WAN"}
+
+
+def free_comfy_memory() -> None:
+    """Make ComfyUI let go of every model it holds on a GPU before UGPUM places its own."""
+    import comfy.model_management
+    comfy.model_management.unload_all_models()
+    comfy.model_management.soft_empty_cache()
+
+
+def _fingerprint(module) -> str:
+    """A cheap identity for cache keys: class name plus a sample of the first weights."""
+    h = hashlib.sha256(type(module).__name__.encode())
+    try:
+        for i, (name, t) in enumerate(module.state_dict().items()):
+            if i >= 4:
+                break
+            h.update(name.encode())
+            h.update(str(tuple(t.shape)).encode())
+            if t.numel() and t.device.type != "meta":
+                h.update(t.flatten()[:1024].detach().float().cpu().numpy().tobytes())
+    except Exception:  # noqa: BLE001 - an unusual weight type only costs cache precision
+        pass
+    return h.hexdigest()[:16]
+
+
+class ComfyEncoders:
+    """ComfyUI's CLIP (text encoder) and VAE as ugpum's `Encoders` (ugpum/train/encoders.py)."""
+
+    def __init__(self, clip, vae, family: str):
+        import comfy.latent_formats
+        self.clip, self.vae = clip, vae
+        self.latent_format = getattr(comfy.latent_formats, LATENT_FORMATS[family])()
+        self.video = family == "wan"
+        self.identity = (f"comfy/{family}/clip-{_fingerprint(clip.cond_stage_model)}"
+                         f"/vae-{_fingerprint(vae.first_stage_model)}")
+
+    def encode_images(self, pixels: torch.Tensor) -> torch.Tensor:
+        """[B,3,H,W] in [-1,1] -> the latent the DiT sees (after ComfyUI's latent format)."""
+        images = ((pixels.float() + 1) / 2).clamp(0, 1).movedim(1, -1)      # ComfyUI IMAGE: [B,H,W,C]
+        latent = self.vae.encode(images)
+        return self.latent_format.process_in(latent.float())
+
+    def encode_text(self, captions: list[str]) -> torch.Tensor:
+        """[B,L,C] conditioning; shorter ones zero-padded to the longest."""
+        conds = [self.clip.encode_from_tokens(self.clip.tokenize(c)).float().cpu()[0] for c in captions]
+        longest = max(c.shape[0] for c in conds)
+        out = torch.zeros(len(conds), longest, conds[0].shape[-1])
+        for i, c in enumerate(conds):
+            out[i, : c.shape[0]] = c
+        return out
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        images = self.vae.decode(self.latent_format.process_out(latents.float()))
+        if images.ndim == 5:                                                  # video: first frame
+            images = images[:, 0]
+        return (images.float() * 2 - 1).movedim(-1, 1).cpu()
+
+    def release(self) -> None:
+        free_comfy_memory()
+
+
+def load_encoders(text_encoder: str | Path, vae: str | Path, family: str) -> "ComfyEncoders":
+    """ComfyUI's own text encoder and VAE loaded from files, as the stock CLIPLoader and VAELoader
+    would (for the headless demo on real weights; needs a ComfyUI that knows the family)."""
+    import comfy.sd
+    import comfy.utils
+    clip_type = getattr(comfy.sd.CLIPType, CLIP_TYPES[family], None)
+    if clip_type is None:
+        raise ComfyUINotFound(f"this ComfyUI has no {family} text encoder type; point COMFYUI_PATH at a newer one")
+    clip = comfy.sd.load_clip(ckpt_paths=[str(text_encoder)], clip_type=clip_type)
+    return ComfyEncoders(clip, comfy.sd.VAE(sd=comfy.utils.load_torch_file(str(vae))), family)

@@ -213,3 +213,16 @@ def test_cli_train_writes_the_output_folder(tmp_path, capsys):
     assert (out / "checkpoints" / "latest.json").is_file()
     assert main(["train", "--profile", "tiny-flux2", "--dataset", str(DATASET)]) == 2      # no --out
     assert "--out" in capsys.readouterr().err
+
+
+def test_demo_on_real_weights_names_missing_files_and_the_download_command(tmp_path, capsys):
+    from ugpum.cli import main
+    models = tmp_path / "models"
+    (models / "diffusion_models").mkdir(parents=True)
+    (models / "vae").mkdir()
+    (models / "vae" / "flux2-vae.safetensors").write_bytes(b"")
+    assert main(["demo", "--models", str(models), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "text_encoders/qwen_3_8b_fp8mixed.safetensors" in err
+    assert "diffusion_models/flux-2-klein-9b.safetensors" in err
+    assert "python -m ugpum download flux2-klein-9b" in err and "vae/flux2-vae" not in err

@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return 130
-    except (UsageError, UnknownModel, PlanError, ConfigError, ValueError, RuntimeError) as e:
+    except (UsageError, UnknownModel, PlanError, ConfigError, ValueError, RuntimeError, OSError) as e:
         if os.environ.get("UGPUM_DEBUG"):
             raise
         print(f"error: {e}", file=sys.stderr)

@@ -39,15 +39,52 @@ def plan_report(model_id: str = "flux2-klein-9b") -> str:
     return "\n".join(parts)
 
 
+REAL_MODEL = "flux2-klein-9b"
+
+
+def real_model_files(models: Path) -> tuple[Path, Path, Path, str]:
+    """(DiT, text encoder, VAE, weight dtype) of Klein 9B in a ComfyUI models/ folder; an error
+    naming the missing files and the download command otherwise."""
+    from .models_catalog import missing_hint, model_status
+    if not models.is_dir():
+        raise FileNotFoundError(f"--models {models}: no such folder (give ComfyUI's models/ folder)")
+    status = model_status(models, REAL_MODEL)
+    ready = status.ready_dtypes()
+    if not ready:
+        present = [s.file.filename for s in status.files if s.present]
+        raise FileNotFoundError(missing_hint(REAL_MODEL, present, models_dir=models))
+    dtype = "bf16" if "bf16" in ready else ready[0]
+    entry = status.entry
+    return (entry.dit[dtype].dest(models), entry.text_encoder.dest(models), entry.vae.dest(models), dtype)
+
+
+def run_real_demo(models: Path, steps: int | None, out_dir: Path, log) -> int:
+    """The Klein 9B workflow on the real files: ComfyUI's own text encoder and VAE (as the stock
+    loaders load them) cache the captions and latents, then the DiT trains split by the plan."""
+    from comfy_bridge import comfy_training_mode, import_comfy, find_comfyui_or_raise, load_encoders
+    from .train.config import load_config
+    from .train.loop import train
+    dit, text_encoder, vae, dtype = real_model_files(models)
+    import_comfy(find_comfyui_or_raise(), cpu=False)
+    (out_dir / "plan_report.txt").write_text(plan_report())
+    cfg = load_config("klein-9b-1024", overrides={
+        "dataset": str(DEMO_DATASET), "trigger": TRIGGER, "steps": steps, "model_file": str(dit),
+        "weight_dtype": dtype, "sample_prompt": f"{TRIGGER}, waving, full body, on a beach",
+        "output_name": "ugpum_klein9b_loranne"})
+    with comfy_training_mode():
+        result = train(cfg, out_dir, encoders=load_encoders(text_encoder, vae, "flux2"), log=log)
+    loss_curve(result.losses).save(out_dir / "loss.png")
+    log(f"LoRA: {result.lora_path}; before/after: {result.sample_grid}; plan report: {out_dir / 'plan_report.txt'}")
+    return 0
+
+
 def run_demo(models: str | None = None, steps: int | None = None, out: str = "out/demo", log=print) -> int:
     from .train.config import load_config
     from .train.loop import train
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
     if models:
-        raise NotImplementedError(
-            "the headless demo on real Klein 9B weights is not built yet: open "
-            "example_workflows/ugpum_klein9b_lora.json in ComfyUI instead (same engine), or run without --models")
+        return run_real_demo(Path(models), steps, out_dir, log)
     log("No real weights given: running the demo on a tiny random-weight FLUX.2 (ComfyUI's own model "
         "class) with stand-in encoders. Same dataset, planner, placement, LoRA and files as the real run; "
         "the pictures show the pipeline working, not a trained character.")
