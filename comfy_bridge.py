@@ -213,17 +213,24 @@ def build_random(spec, dtype, seed: int = 0):
 
 
 def build_dit(spec, dtype, model_file: str = "", seed: int = 0):
-    """(model, key prefix): on the meta device to be streamed from `model_file` by `place`, or with
-    random weights when there is no file (tiny models only)."""
+    """(model, key prefix) for training outside ComfyUI: on the meta device to be streamed from
+    `model_file` by `place`, or with random weights when there is no file (tiny models only).
+    Switches ComfyUI to training mode for the process (newer ComfyUI otherwise runs fused kernels
+    that have no backward, DESIGN §3)."""
     if model_file:
         from ugpum.arch import recognise
         found, prefix, _ = recognise(model_file)
         if found.id != spec.id:
             raise ValueError(f"{model_file}: this file holds {found.id}, but the config asks for {spec.id}")
-        return build_meta(spec, dtype), prefix
-    if not spec.id.startswith("tiny"):
+        model = build_meta(spec, dtype)
+    elif spec.id.startswith("tiny"):
+        model, prefix = build_random(spec, dtype, seed), ""
+    else:
         raise ValueError(f"{spec.id}: give the model file (--model FILE); random weights are for tiny models only")
-    return build_random(spec, dtype, seed), ""
+    import comfy.model_management as mm
+    if hasattr(mm, "in_training"):
+        mm.in_training = True
+    return model, prefix
 
 
 # ------------------------------------------------------------------- ComfyUI's CLIP and VAE objects
