@@ -246,8 +246,7 @@ def train(cfg: TrainConfig, out: str | Path, encoders: Encoders | None = None, m
         metrics_path.unlink()
 
     # 4. steps
-    first = plan.stages[0].torch_device if plan.stages[0].blocks[1] > 0 else \
-        next(s.torch_device for s in plan.stages if s.blocks[1] > s.blocks[0])
+    first = layout.first                                  # where the model's inputs go
     losses: list[float] = []
     step = start
     validation_before = validation_loss(model, spec, cfg, latents, contexts, first)
