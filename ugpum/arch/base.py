@@ -110,9 +110,7 @@ class ArchSpec:
         """Activations a block keeps for backward, in hidden-state sizes (tokens x hidden x bf16),
         with LoRA on all its linears and the block guard's copies (ugpum/block_guard.py).
 
-        FLUX.2: 37.5, fitted to klein 9B at 1024² on the H200 (bench/results/klein9b_place.json:
-        60.2 GiB peak without checkpointing). Wan: counted from its ops (not yet measured).
+        Both fitted to the H200's allocator peak without checkpointing at one 1024² image
+        (bench/results): FLUX.2 37.5 (klein 9B, 60.2 GiB), Wan 42.5 (Wan 14B, 94.6 GiB).
         """
-        if self.family == "wan":
-            return 12 + 2.5 * self.ffn / self.hidden
-        return 37.5
+        return 42.5 if self.family == "wan" else 37.5
