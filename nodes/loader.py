@@ -67,4 +67,21 @@ class UGPUMLoader(io.ComfyNode):
         model = UGPUMModel(family=spec.family, model_id=spec.id, title=spec.title, path=os.path.abspath(path),
                            file_name=dit_name, key_prefix=prefix, stored_dtype=stored,
                            weight_dtype=WEIGHT_DTYPES[weight_dtype] or stored, devices=specs, spec=spec)
-        return io.NodeOutput(model, ui=ui.PreviewText(model.describe()))
+        text = model.describe()
+        hint = companion_files_hint(spec.id)
+        return io.NodeOutput(model, ui=ui.PreviewText(text + ("\n" + hint if hint else "")))
+
+
+def companion_files_hint(model_id: str) -> str | None:
+    """For a known model: which of its text encoder and VAE files ComfyUI's folders lack, and the
+    command that fetches them (the DiT itself was just picked from the list, so it is present)."""
+    from ugpum.models_catalog import MODELS, download_command
+    entry = MODELS.get(model_id)
+    if entry is None:
+        return None
+    present = set(folder_paths.get_filename_list("text_encoders")) | set(folder_paths.get_filename_list("vae"))
+    missing = [f for f in (entry.text_encoder, entry.vae) if f.filename not in present]
+    if not missing:
+        return None
+    names = ", ".join(f"{f.folder}/{f.filename}" for f in missing)
+    return f"Also needed for training and previews: {names}. Get them with: {download_command(model_id)}"

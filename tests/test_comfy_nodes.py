@@ -12,11 +12,12 @@ import pytest
 import torch
 
 from comfy_server import PACK_DIR_NAME, REPO, comfy_server_factory, execution_error  # noqa: F401  (fixture)
-from comfy_models import flux2_state_dict_keys
+from comfy_models import flux2_state_dict_keys, wan_state_dict_keys
 
 WORKFLOW = REPO / "example_workflows" / "ugpum_klein9b_lora.json"
 TINY_FILE = "tiny-flux2.safetensors"
 KLEIN_BASE_FILE = "flux-2-klein-base-9b-fp8.safetensors"      # header only, sparse
+WAN_FILE = "wan2.1_t2v_1.3B_fp16.safetensors"                  # header only; its encoders are absent
 KLEIN_FILE = "flux-2-klein-9b-fp8.safetensors"                # header only, sparse
 BROKEN_FILE = "not-a-model.safetensors"
 TEXT_ENCODER_FILE = "qwen_3_8b_fp8mixed.safetensors"          # names only: combos must list them
@@ -96,6 +97,8 @@ def prepare_models(models: Path, input_dir: Path) -> None:
     write_tiny_flux2(models / "diffusion_models" / TINY_FILE)
     write_header_only(models / "diffusion_models" / KLEIN_BASE_FILE, klein9b_fp8_header())
     write_header_only(models / "diffusion_models" / KLEIN_FILE, klein9b_fp8_header())
+    write_header_only(models / "diffusion_models" / WAN_FILE,
+                      {k: ("BF16", s) for k, s in wan_state_dict_keys("t2v-1.3b").items()})
     (models / "diffusion_models" / BROKEN_FILE).write_bytes(b"this is not a safetensors file")
     (models / "text_encoders" / TEXT_ENCODER_FILE).write_bytes(b"")
     (models / "vae" / VAE_FILE).write_bytes(b"")
@@ -187,6 +190,18 @@ def test_planner_forecasts_klein9b_for_described_gpus(server):
     assert report.startswith("flux2-klein-base-9b  1024x1024  batch 1  grad-accum 4  rank 16  fp8")
     assert report.count("rtx4090") >= 3                       # two stages + the one-GPU swap line
     assert "Split over 2 devices" in report and "one GPU with swap" in report
+
+
+def test_loader_names_missing_companion_files_and_the_download_command(server):
+    entry = server.run({"1": loader(WAN_FILE, devices="16GiB"), "2": planner(["1", 0])}, timeout=60)
+    assert_success(entry, server)
+    text = ui_text(entry, "1")
+    assert "wan2.1-1.3b" in text
+    assert "text_encoders/umt5_xxl_fp8_e4m3fn_scaled.safetensors" in text and "vae/wan_2.1_vae.safetensors" in text
+    assert "python -m ugpum download wan2.1-1.3b" in text
+    klein = server.run({"1": loader(KLEIN_BASE_FILE, devices="rtx4090, rtx4090"), "2": planner(["1", 0])},
+                       timeout=60)                                                        # encoders present
+    assert "Also needed" not in ui_text(klein, "1")
 
 
 @pytest.mark.parametrize("prompt, node, expected", [
