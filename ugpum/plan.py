@@ -54,12 +54,6 @@ class Plan:
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
 
-    def stage_of_block(self) -> list[int]:
-        owner = []
-        for i, s in enumerate(self.stages):
-            owner += [i] * (s.blocks[1] - s.blocks[0])
-        return owner
-
 
 def budget_bytes(device: Device) -> float:
     context = CUDA_CONTEXT if device.torch_device is None else 0.0
