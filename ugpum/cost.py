@@ -52,22 +52,18 @@ def block_weight_bytes(block: BlockSpec, w: Workload) -> int:
     return block.params * WEIGHT_BYTES[w.weight_dtype]
 
 
-def hidden_bytes(spec: ArchSpec, w: Workload) -> int:
-    return spec.boundary_bytes(w)
-
-
 def block_activation_bytes(spec: ArchSpec, block: BlockSpec, w: Workload) -> float:
     """Bytes a block keeps alive from its forward until its backward."""
     if w.checkpointing:
-        return hidden_bytes(spec, w)                     # only the block's input is kept
-    return spec.saved_units(block) * hidden_bytes(spec, w)
+        return spec.boundary_bytes(w)                     # only the block's input is kept
+    return spec.saved_units(block) * spec.boundary_bytes(w)
 
 
 def block_peak_extra_bytes(spec: ArchSpec, block: BlockSpec, w: Workload) -> float:
     """Working memory on top of what is kept, while the block is recomputed and runs backward."""
     if not w.checkpointing:
         return 0.0
-    return RECOMPUTE_PEAK_SHARE * spec.saved_units(block) * hidden_bytes(spec, w)
+    return RECOMPUTE_PEAK_SHARE * spec.saved_units(block) * spec.boundary_bytes(w)
 
 
 def lora_bytes(block: BlockSpec, w: Workload) -> int:

@@ -106,6 +106,17 @@ def model_context(spec, context: torch.Tensor) -> torch.Tensor:
     return pad_flux2_context(context[None]) if spec.family == "flux2" else context[None]
 
 
+def loss_at(model, spec, cfg: TrainConfig, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor,
+            context: torch.Tensor, first: str, weighting: str) -> torch.Tensor:
+    """The model's flow-matching loss for one sample noised to timestep t."""
+    device = torch.device(first)
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.autocast and device.type == "cuda"):
+        pred = model(noisy(x0, noise, t).to(device), (t * spec.timestep_scale).to(device),
+                     model_context(spec, context).to(device), transformer_options={})
+    out = pred.device
+    return flow_loss(pred.float(), x0.to(out), noise.to(out), t.to(out), weighting)
+
+
 def micro_loss(model, spec, cfg: TrainConfig, latent: torch.Tensor, context: torch.Tensor, k: int,
                first: str) -> torch.Tensor:
     """Forward of the k-th micro-batch: its flow-matching loss (the caller runs backward)."""
@@ -114,14 +125,7 @@ def micro_loss(model, spec, cfg: TrainConfig, latent: torch.Tensor, context: tor
     noise = torch.randn(x0.shape, generator=g)
     seq = flux2_image_seq_len(cfg.resolution, cfg.resolution)
     t = sample_timesteps(1, cfg.timesteps, g, shift=cfg.shift, image_seq_len=seq)
-    xt = noisy(x0, noise, t)
-    device = torch.device(first)
-    autocast = cfg.autocast and device.type == "cuda"
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-        pred = model(xt.to(device), (t * spec.timestep_scale).to(device), model_context(spec, context).to(device),
-                     transformer_options={})
-    out = pred.device
-    return flow_loss(pred.float(), x0.to(out), noise.to(out), t.to(out), cfg.weighting)
+    return loss_at(model, spec, cfg, x0, noise, t, context, first, cfg.weighting)
 
 
 VALIDATION_T = (0.25, 0.5, 0.75)
@@ -137,13 +141,7 @@ def validation_loss(model, spec, cfg: TrainConfig, latents, contexts, first: str
         x0 = latents[i][None].float()
         noise = torch.randn(x0.shape, generator=g)
         for t in VALIDATION_T:
-            tt = torch.tensor([t])
-            device = torch.device(first)
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.autocast and device.type == "cuda"):
-                pred = model(noisy(x0, noise, tt).to(device), (tt * spec.timestep_scale).to(device),
-                             model_context(spec, contexts[i]).to(device), transformer_options={})
-            out = pred.device
-            total += flow_loss(pred.float(), x0.to(out), noise.to(out), tt.to(out)).item()
+            total += loss_at(model, spec, cfg, x0, noise, torch.tensor([t]), contexts[i], first, "none").item()
             n += 1
     return total / n
 
