@@ -1,34 +1,44 @@
 #!/usr/bin/env bash
-# One H200 call: CUDA unit tests, then the placement/forecast, engine and swap benchmarks, most
-# important first (a call that runs out of time still returns what is written under OUTDIR).
-# Usage on the device machine: COMFYUI_PATH=<a ComfyUI checkout> bash bench/h200_session.sh OUTDIR
+# H200 sessions: each section is one benchmark group, most important first within a call (a call
+# that runs out of time still returns what is written under OUTDIR). Random-weight checkpoints go to
+# /tmp and are reused by later sections of the same call.
+# Usage on the device machine:
+#   COMFYUI_PATH=<a ComfyUI checkout> bash bench/h200_session.sh OUTDIR [SECTION ...]
+# Sections: tests place train wan_place swap_klein pipeline swap_wan   (default: all, in that order)
 set -u
-out=${1:?output folder}
+out=${1:?output folder}; shift
+sections=${*:-tests place train wan_place swap_klein pipeline swap_wan}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 step() { echo "=== $* ($(date +%T))"; }
-step "CUDA unit tests"
-timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_place.py tests/test_swap.py tests/test_pipeline.py 2>&1 | tail -4
-step "klein 9B checkpoint"
-timeout 90 python3 bench/place_train.py write --model flux2-klein-9b --path /tmp/k9.safetensors
-step "klein 9B placement, 1024"
-timeout 120 python3 bench/place_train.py run --path /tmp/k9.safetensors --resolution 1024 --steps 5 --out "$out/klein9b_1024.json"
-step "klein 9B: 20 training steps through the engine (python -m ugpum train)"
-timeout 150 python3 -m ugpum train --profile klein-9b-1024 --model /tmp/k9.safetensors --dataset demo_datasets/loranne \
-  --steps 20 --stand-in-encoders --sample-every 0 --out /tmp/train_klein > "$out/train_klein.log" 2>&1
-tail -4 "$out/train_klein.log"; cp /tmp/train_klein/metrics.jsonl "$out/train_klein_metrics.jsonl"
-step "Wan 14B checkpoint"
-timeout 120 python3 bench/place_train.py write --model wan2.1-14b --path /tmp/w14.safetensors
-step "Wan 14B placement, one 1024 frame"
-timeout 150 python3 bench/place_train.py run --path /tmp/w14.safetensors --resolution 1024 --steps 4 --out "$out/wan14b_1024.json"
-rm -f /tmp/w14.safetensors
-step "klein 9B swap at 16 GiB"
-# each case in its own process: in one process the capped case ran out of its 15.5 GiB while the
-# unconstrained case's 16 GiB of weights were still held (2026-12-03)
-timeout 120 python3 bench/swap.py --model flux2-klein-9b --cap-gib 16 --steps 6 --out "$out" --ckpt /tmp/k9.safetensors --keep-ckpt --cases unconstrained
-timeout 180 python3 bench/swap.py --model flux2-klein-9b --cap-gib 16 --steps 6 --out "$out" --ckpt /tmp/k9.safetensors --keep-ckpt --cases swap
-if [ "${WITH_PIPELINE:-0}" = 1 ]; then
-  step "pipeline: two stages on one GPU vs unsplit"
-  timeout 300 python3 bench/pipeline.py --model flux2-klein-9b --out "$out"
-fi
+klein_ckpt() { [ -f /tmp/k9.safetensors ] || timeout 90 python3 bench/place_train.py write --model flux2-klein-9b --path /tmp/k9.safetensors; }
+wan_ckpt() { [ -f /tmp/w14.safetensors ] || timeout 120 python3 bench/place_train.py write --model wan2.1-14b --path /tmp/w14.safetensors; }
+swap_cases() {  # model ckpt extra-args...: each case in its own process — in one process the capped
+  # case ran out of its budget while the unconstrained case's weights were still held (2026-12-03)
+  local model=$1 ckpt=$2; shift 2
+  timeout 150 python3 bench/swap.py --model "$model" --cap-gib 16 --steps 6 --out "$out" --ckpt "$ckpt" --keep-ckpt --cases unconstrained "$@"
+  timeout 200 python3 bench/swap.py --model "$model" --cap-gib 16 --steps 6 --out "$out" --ckpt "$ckpt" --keep-ckpt --cases swap "$@"
+}
+for s in $sections; do
+  case $s in
+  tests) step "CUDA unit tests"
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_place.py tests/test_swap.py tests/test_pipeline.py 2>&1 | tail -4 ;;
+  place) step "klein 9B placement, 1024"; klein_ckpt
+    timeout 120 python3 bench/place_train.py run --path /tmp/k9.safetensors --resolution 1024 --steps 5 --out "$out/klein9b_1024.json" ;;
+  train) step "klein 9B: 20 training steps through the engine (python -m ugpum train)"; klein_ckpt
+    timeout 150 python3 -m ugpum train --profile klein-9b-1024 --model /tmp/k9.safetensors --dataset demo_datasets/loranne \
+      --steps 20 --stand-in-encoders --sample-every 0 --out /tmp/train_klein > "$out/train_klein.log" 2>&1
+    tail -4 "$out/train_klein.log"; cp /tmp/train_klein/metrics.jsonl "$out/train_klein_metrics.jsonl" ;;
+  wan_place) step "Wan 14B placement, one 1024 frame"; wan_ckpt
+    timeout 150 python3 bench/place_train.py run --path /tmp/w14.safetensors --resolution 1024 --steps 4 --out "$out/wan14b_1024.json" ;;
+  swap_klein) step "klein 9B swap at 16 GiB"; klein_ckpt
+    swap_cases flux2-klein-9b /tmp/k9.safetensors
+    timeout 200 python3 bench/swap.py --model flux2-klein-9b --cap-gib 16 --steps 6 --out "$out" --ckpt /tmp/k9.safetensors --keep-ckpt --cases swap --offload spread ;;
+  pipeline) step "pipeline: two stages on one GPU vs unsplit"
+    timeout 300 python3 bench/pipeline.py --model flux2-klein-9b --out "$out" ;;
+  swap_wan) step "Wan 14B swap at 16 GiB"; wan_ckpt
+    swap_cases wan2.1-14b /tmp/w14.safetensors ;;
+  *) echo "unknown section $s" ;;
+  esac
+done
 step "done"

@@ -70,9 +70,9 @@ def micro_batches(spec, w: Workload, m: int, dev: str) -> list[dict]:
     return out
 
 
-def make_step(model, m: int):
+def make_step(model, m: int, dev: str):
     def step(mb):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast(torch.device(dev).type, dtype=torch.bfloat16):
             out = model(mb["x"], mb["timestep"], mb["context"], transformer_options={})
         return (out.float() - mb["target"]).pow(2).mean() / m
     return step
@@ -81,7 +81,7 @@ def make_step(model, m: int):
 class Bench:
     def __init__(self, args):
         self.args = args
-        self.dev = "cuda:0"
+        self.dev = "cuda:0" if torch.cuda.is_available() else "cpu"    # cpu: a smoke run only
         self.spec = get_spec(args.model)
         self.w = Workload(width=args.resolution, height=args.resolution, frames=args.frames,
                           checkpointing=args.checkpointing == "block", rank=16)
@@ -117,25 +117,34 @@ class Bench:
         mbs = self.batches[m]
         ctx = torch.profiler.record_function(STEP_RANGE) if profile_range else _null()
         with ctx:
-            losses = accumulate(make_step(self.model, m), mbs, schedule, self.layout, self.model)
+            losses = accumulate(make_step(self.model, m, self.dev), mbs, schedule, self.layout, self.model)
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
         return losses
 
     def timed_step(self, split: bool, schedule: str, m: int) -> float:
-        torch.cuda.synchronize()
+        _sync()
         t0 = time.perf_counter()
         self.step(split, schedule, m)
-        torch.cuda.synchronize()
+        _sync()
         return time.perf_counter() - t0
 
     def grads(self, split: bool, schedule: str, m: int) -> torch.Tensor:
         self.split(split)
         self.opt.zero_grad(set_to_none=True)
-        accumulate(make_step(self.model, m), self.batches[m], schedule, self.layout, self.model)
+        accumulate(make_step(self.model, m, self.dev), self.batches[m], schedule, self.layout, self.model)
         g = torch.cat([p.grad.float().flatten() for p in self.params])
         self.opt.zero_grad(set_to_none=True)
         return g
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _peak_gib() -> float:
+    return torch.cuda.max_memory_allocated() / GIB if torch.cuda.is_available() else 0.0
 
 
 class _null:
@@ -236,9 +245,10 @@ def main():
         peak = {}
         for name, split, schedule, m in cases:                 # warm-up; peak memory per configuration
             bench.timed_step(split, schedule, m)
-            torch.cuda.reset_peak_memory_stats()
+            if torch.cuda.is_available():
+                torch.cuda.reset_peak_memory_stats()
             bench.timed_step(split, schedule, m)
-            peak[name] = torch.cuda.max_memory_allocated() / GIB
+            peak[name] = _peak_gib()
         times = {name: [] for name, *_ in cases}
         for r in range(args.rounds):
             for name, split, schedule, m in cases:
@@ -256,7 +266,7 @@ def main():
                          "peak_gib": round(peak[name], 2)})
 
         profiles = {}
-        if not args.no_profile:
+        if not args.no_profile and torch.cuda.is_available():
             m = max(args.micro_batches)
             for label, split, schedule in (("unsplit", False, "sequential"), ("gpipe", True, "gpipe"),
                                            ("1f1b", True, "1f1b")):
@@ -270,8 +280,9 @@ def main():
         "issue": 6, "command": " ".join(sys.argv), "model": bench.spec.id,
         "workload": {"resolution": args.resolution, "frames": args.frames, "checkpointing": args.checkpointing,
                      "rank": 16, "autocast": "bf16", "stages": [[0, bench.cut], [bench.cut, len(bench.spec.blocks)]],
-                     "device": "both stages on cuda:0"},
-        "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "python": platform.python_version(),
+                     "device": f"both stages on {bench.dev}"},
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__, "python": platform.python_version(),
         "comfyui": str(comfy_path), "rounds": args.rounds,
         "results": rows, "grad_rel_diff_vs_unsplit": grad_check, "profiles": profiles,
         "verdict": {"worst_overhead": worst, "overhead_ok": worst <= 0.03,
@@ -288,7 +299,7 @@ def markdown(r: dict) -> str:
              f"{r['gpu']}, torch {r['torch']}, {w['resolution']}² x{w['frames']} frame(s), LoRA rank {w['rank']}, "
              f"{w['autocast']} autocast, checkpointing {w['checkpointing']}; two stages (blocks "
              f"{w['stages'][0][0]}-{w['stages'][0][1] - 1} | {w['stages'][1][0]}-{w['stages'][1][1] - 1}) both on "
-             f"cuda:0 vs the unsplit model. Median of {r['rounds']} interleaved steps.", "",
+             f"{w['device'].split(' on ')[-1]} vs the unsplit model. Median of {r['rounds']} interleaved steps.", "",
              "| configuration | s/step | vs unsplit | peak GiB |", "|---|---:|---:|---:|"]
     for row in r["results"]:
         lines.append(f"| {row['config']} | {row['s_per_step_median']:.3f} | "

@@ -336,10 +336,20 @@ def test_bench_swap_smoke_on_cpu(comfy, tmp_path):
     assert main(args + ["--offload", "spread", "--cases", "swap"]) == 0
     entries = json.loads((tmp_path / "swap.json").read_text())
     assert [(e["slots"], e["offload"]) for e in entries] == [(2, "plan"), (1, "plan"), (2, "spread")]
-    assert entries[2]["unconstrained_s"] is None and entries[2]["ratio"] is None
+    # a swap-only run is paired with the latest unconstrained case recorded for the same shape
+    assert entries[2]["unconstrained_s"] == entries[1]["unconstrained_s"]
+    assert entries[2]["ratio"] == round(entries[2]["swap_s"] / entries[1]["unconstrained_s"], 4)
     for e in entries:
         for key in ("model", "cap_gib", "unconstrained_s", "swap_s", "ratio", "peak_gib", "forecast_gib"):
             assert key in e
         assert e["model"] == "tiny-flux2" and e["swap_s"] > 0 and 0 < e["offloaded_blocks"] <= n
         assert 0 < e["bytes_moved_per_step"] <= e["forecast_swap_bytes_per_step"]
     assert "| tiny-flux2 |" in (tmp_path / "swap.md").read_text()
+
+    # the cases in separate processes (as on the GPU): one entry holding both
+    apart = tmp_path / "apart"
+    assert main(args[:-4] + ["--out", str(apart), "--ckpt", str(tmp_path / "t.safetensors"), "--keep-ckpt",
+                             "--cases", "unconstrained"]) == 0
+    assert main(args[:-4] + ["--out", str(apart), "--ckpt", str(tmp_path / "t.safetensors"), "--cases", "swap"]) == 0
+    [entry] = json.loads((apart / "swap.json").read_text())
+    assert entry["unconstrained_s"] > 0 and entry["swap_s"] > 0 and entry["ratio"] > 0

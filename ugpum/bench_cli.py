@@ -298,6 +298,22 @@ def merge_results(path: Path, entry: dict) -> list[dict]:
     return entries
 
 
+def _earlier_case(path: Path, model: str, args, case: str) -> dict | None:
+    """The `case` result of an earlier entry for the same model, cap and shape (any swap choice for
+    the unconstrained case; the same slots and offload choice for the swap case)."""
+    if not path.is_file():
+        return None
+    try:
+        entries = json.loads(path.read_text())
+    except ValueError:
+        return None
+    same = ("cap_gib", "resolution", "frames") + (("slots", "offload") if case == "swap" else ())
+    for e in reversed(entries if isinstance(entries, list) else []):
+        if e.get("model") == model and all(e.get(k) == getattr(args, k) for k in same) and e.get(case):
+            return e[case]
+    return None
+
+
 def _fmt(v, spec=".2f"):
     return "-" if v is None else format(v, spec)
 
@@ -426,7 +442,13 @@ def run_swap_bench(args) -> int:
         if wrote is not None and not args.keep_ckpt:
             ckpt.unlink(missing_ok=True)
 
-    u, s = results.get("unconstrained"), results.get("swap")
+    # the cases run in separate processes (a capped case must not share memory with an unconstrained
+    # one): pair this run with the other case recorded earlier for the same model and shape
+    out = Path(args.out)
+    u = results.get("unconstrained") or _earlier_case(out / "swap.json", spec.id, args, "unconstrained")
+    s = results.get("swap")
+    if s is None:
+        s = _earlier_case(out / "swap.json", spec.id, args, "swap")
     entry = {
         "model": spec.id, "cap_gib": args.cap_gib, "resolution": args.resolution, "frames": args.frames,
         "text_tokens": args.text_tokens, "batch": 1, "rank": args.rank, "checkpointing": "block",
@@ -455,7 +477,6 @@ def run_swap_bench(args) -> int:
         "device_probe": real.to_json(),
         "unconstrained": u, "swap": s,
     }
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     from .atomic import atomic_path, write_json_atomic
     entries = merge_results(out / "swap.json", entry)
