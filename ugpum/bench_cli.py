@@ -58,9 +58,6 @@ def add_swap_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep-ckpt", action="store_true", help="keep a checkpoint this run wrote")
     p.add_argument("--device", default="cuda:0", help="cuda:N, or cpu for a smoke run on a tiny model")
     p.add_argument("--cases", choices=["both", "unconstrained", "swap"], default="both")
-    p.add_argument("--offload", choices=["plan", "spread"], default="plan",
-                   help="which blocks to swap: the plan's choice, or (an experiment for the planner) the "
-                        "smallest blocks, spread evenly, for the same budget")
     p.add_argument("--no-pin", action="store_true", help="pageable host copies (to measure what pinning buys)")
     p.add_argument("--alloc-conf", default=DEFAULT_ALLOC_CONF,
                    help="PYTORCH_CUDA_ALLOC_CONF when not already set ('' for torch's default)")
@@ -150,41 +147,23 @@ def capped_device(real, cap_gib: float):
                                free_bytes=int(cap - context))
 
 
-def spread_offload(spec, plan, device, w):
-    """`plan` with another choice of blocks to swap for the same device budget: the fewest of the
-    *smallest* blocks that fit (smaller ring slots, so fewer bytes to move), spread evenly over the
-    model so each copy overlaps the compute of the resident blocks before it. An experiment: the
-    planner offloads the largest blocks first, which for FLUX.2 are the leading double blocks."""
-    from .plan import GIB as PLAN_GIB
-    from .plan import _Evaluator, budget_bytes
-    ev = _Evaluator(spec, [device], w, 1)
-    n, budget = len(spec.blocks), budget_bytes(device)
-    by_size: dict[int, list[int]] = {}
-    for i in range(n):
-        by_size.setdefault(ev.weight[i], []).append(i)
-    pools = [by_size[k] for k in sorted(by_size)]
+def cap_devices(limits: dict[str, float]):
+    """Cap the allocator of each CUDA device in `limits` ("cuda:N" -> bytes) with
+    `torch.cuda.set_per_process_memory_fraction`, to play smaller cards; returns the undo. Devices
+    that several stages share get one cap (the caller sums them)."""
+    capped = []
+    for device, limit in limits.items():
+        index = torch.device(device).index or 0
+        total = torch.cuda.get_device_properties(index).total_memory
+        if limit > total:
+            raise ValueError(f"cap of {limit / GIB:.2f} GiB on {device}: it has only {total / GIB:.2f} GiB")
+        torch.cuda.set_per_process_memory_fraction(limit / total, index)
+        capped.append(index)
 
-    def pick(k: int) -> tuple[int, ...]:
-        chosen = []
-        for pool in pools:
-            take = min(k - len(chosen), len(pool))
-            chosen += [pool[int((j + 0.5) * len(pool) / take)] for j in range(take)] if take else []
-            if len(chosen) == k:
-                break
-        return tuple(sorted(chosen))
-
-    for k in range(n + 1):
-        chosen = pick(k)
-        mem = ev._memory(0, 0, n, chosen)
-        if sum(mem.values()) <= budget:
-            break
-    else:
-        raise ValueError(f"{spec.id} does not fit {device.label} even with every block swapped")
-    stage = dataclasses.replace(plan.stages[0], offloaded=list(chosen),
-                                forecast_gib=round(sum(mem.values()) / PLAN_GIB, 3),
-                                detail_gib={key: round(v / PLAN_GIB, 3) for key, v in mem.items()})
-    return dataclasses.replace(plan, stages=[stage], offloaded_blocks=list(chosen),
-                               swap_bytes_per_step=2 * sum(ev.weight[i] for i in chosen) * plan.grad_accum)
+    def undo():
+        for index in capped:
+            torch.cuda.set_per_process_memory_fraction(1.0, index)
+    return undo
 
 
 def run_case(spec, plan, ckpt: Path, prefix: str, w, args, swap: bool) -> dict:
@@ -300,16 +279,17 @@ def merge_results(path: Path, entry: dict) -> list[dict]:
 
 def _earlier_case(path: Path, model: str, args, case: str) -> dict | None:
     """The `case` result of an earlier entry for the same model, cap and shape (any swap choice for
-    the unconstrained case; the same slots and offload choice for the swap case)."""
+    the unconstrained case; the same slots for the swap case)."""
     if not path.is_file():
         return None
     try:
         entries = json.loads(path.read_text())
     except ValueError:
         return None
-    same = ("cap_gib", "resolution", "frames") + (("slots", "offload") if case == "swap" else ())
+    same = ("cap_gib", "resolution", "frames") + (("slots",) if case == "swap" else ())
     for e in reversed(entries if isinstance(entries, list) else []):
-        if e.get("model") == model and all(e.get(k) == getattr(args, k) for k in same) and e.get(case):
+        if e.get("model") == model and all(e.get(k) == getattr(args, k) for k in same) and e.get(case) \
+                and (case == "unconstrained" or e.get("offload") == "plan"):
             return e[case]
     return None
 
@@ -422,9 +402,6 @@ def run_swap_bench(args) -> int:
         if args.cases in ("both", "swap"):
             plan = make_plan(spec, [capped], w)
             print(f"capped at {args.cap_gib:g} GiB: {plan.verdict}", flush=True)
-            if args.offload == "spread":
-                plan = spread_offload(spec, plan, capped, w)
-                print(f"spread offload instead: blocks {plan.offloaded_blocks}", flush=True)
             if cuda:
                 index = torch.device(args.device).index or 0
                 torch.cuda.empty_cache()
@@ -452,7 +429,7 @@ def run_swap_bench(args) -> int:
     entry = {
         "model": spec.id, "cap_gib": args.cap_gib, "resolution": args.resolution, "frames": args.frames,
         "text_tokens": args.text_tokens, "batch": 1, "rank": args.rank, "checkpointing": "block",
-        "slots": args.slots, "offload": args.offload, "stored_dtype": stored,
+        "slots": args.slots, "offload": "plan", "stored_dtype": stored,
         "unconstrained_s": u["s_per_step"] if u else None,
         "swap_s": s["s_per_step"] if s else None,
         "ratio": round(s["s_per_step"] / u["s_per_step"], 4) if u and s else None,
