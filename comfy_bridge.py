@@ -263,11 +263,18 @@ def _fingerprint(module) -> str:
 
 
 class ComfyEncoders:
-    """ComfyUI's CLIP (text encoder) and VAE as ugpum's `Encoders` (ugpum/train/encoders.py)."""
+    """ComfyUI's CLIP (text encoder) and VAE as ugpum's `Encoders` (ugpum/train/encoders.py).
 
-    def __init__(self, clip, vae, family: str):
+    A text encoder too large for the first GPU is split over `devices` (specs such as "cuda:0" or
+    "auto", or `Device`s; None: every GPU) from the first caption on, until `release`
+    (ugpum/text_encoder_split.py)."""
+
+    def __init__(self, clip, vae, family: str, devices=None):
         import comfy.latent_formats
         self.clip, self.vae = clip, vae
+        self.devices = devices
+        self._text_split: contextlib.ExitStack | None = None      # holds the text encoder split
+        self._text_planned = False
         self.latent_format = getattr(comfy.latent_formats, LATENT_FORMATS[family])()
         self.video = family == "wan"
         self.identity = (f"comfy/{family}/clip-{_fingerprint(clip.cond_stage_model)}"
@@ -275,12 +282,24 @@ class ComfyEncoders:
 
     def encode_images(self, pixels: torch.Tensor) -> torch.Tensor:
         """[B,3,H,W] in [-1,1] -> the latent the DiT sees (after ComfyUI's latent format)."""
+        if self._text_split is not None:            # a split text encoder leaves the GPUs to the VAE
+            self._join_text_encoder()
         images = ((pixels.float() + 1) / 2).clamp(0, 1).movedim(1, -1)      # ComfyUI IMAGE: [B,H,W,C]
         latent = self.vae.encode(images)
         return self.latent_format.process_in(latent.float())
 
+    def encode_video(self, frames: torch.Tensor) -> torch.Tensor:
+        """One clip [T,3,H,W] in [-1,1] -> [1,C,T',h,w]: ComfyUI's Wan VAE encodes a batch of frames
+        ([T,H,W,C] IMAGE) as one video along the time axis (comfy/sd.py VAE.encode, latent_dim 3)."""
+        latent = self.encode_images(frames)
+        if latent.dim() != 5 or latent.shape[0] != 1:
+            raise ValueError(f"this VAE encoded {frames.shape[0]} frames as {tuple(latent.shape)}, not one "
+                             "video latent [1,C,T',h,w]; connect the Wan 2.1 VAE (wan_2.1_vae.safetensors)")
+        return latent
+
     def encode_text(self, captions: list[str]) -> torch.Tensor:
         """[B,L,C] conditioning; shorter ones zero-padded to the longest."""
+        self._split_text_encoder()
         conds = [self.clip.encode_from_tokens(self.clip.tokenize(c)).float().cpu()[0] for c in captions]
         longest = max(c.shape[0] for c in conds)
         out = torch.zeros(len(conds), longest, conds[0].shape[-1])
@@ -294,7 +313,33 @@ class ComfyEncoders:
             images = images[:, 0]
         return (images.float() * 2 - 1).movedim(-1, 1).cpu()
 
+    def _split_text_encoder(self) -> None:
+        """Before the first caption: spread a text encoder that the first GPU cannot hold over the
+        GPUs (all free before the DiT is placed); it stays so for the following captions."""
+        if self._text_planned:
+            return
+        from ugpum.text_encoder_split import gpus_for_caching, split_text_encoder
+        self._text_planned = True
+        devices = gpus_for_caching(self.devices)
+        if not devices:
+            return
+        free_comfy_memory()                         # the VAE and anything else ComfyUI holds
+        stack = contextlib.ExitStack()
+        if stack.enter_context(split_text_encoder(self.clip, devices)).mode == "split":
+            self._text_split = stack
+        else:
+            stack.close()                           # fits one GPU, or left to ComfyUI's streaming
+
+    def _join_text_encoder(self) -> None:
+        """Put a split text encoder back together (off the GPUs); the next caption plans again."""
+        self._text_planned = False
+        if self._text_split is not None:
+            self._text_split.close()
+            self._text_split = None
+
     def release(self) -> None:
+        """Text encoder and VAE off the GPUs (before the DiT is placed, and after a failure)."""
+        self._join_text_encoder()
         free_comfy_memory()
 
 

@@ -4,7 +4,8 @@
 # /tmp and are reused by later sections of the same call.
 # Usage on the device machine:
 #   COMFYUI_PATH=<a ComfyUI checkout> bash bench/h200_session.sh OUTDIR [SECTION ...]
-# Sections: tests place train wan_place swap_klein pipeline swap_wan   (default: all, in that order)
+# Sections: tests place train wan_place swap_klein pipeline swap_wan dev_fp8 wan_clip te_split two_gpu_trial
+# (default: the first seven, in that order)
 set -u
 out=${1:?output folder}; shift
 sections=${*:-tests place train wan_place swap_klein pipeline swap_wan}
@@ -37,6 +38,20 @@ for s in $sections; do
     timeout 300 python3 bench/pipeline.py --model flux2-klein-9b --out "$out" ;;
   swap_wan) step "Wan 14B swap at 16 GiB"; wan_ckpt
     swap_cases wan2.1-14b /tmp/w14.safetensors ;;
+  dev_fp8) step "FLUX.2 dev, fp8 weights: one placed training run at 1024"
+    timeout 120 python3 bench/place_train.py write --model flux2-dev --dtype fp8 --path /tmp/dev_fp8.safetensors
+    timeout 150 python3 bench/place_train.py run --path /tmp/dev_fp8.safetensors --resolution 1024 --checkpointing block \
+      --steps 4 --out "$out/flux2dev_fp8_place.json"
+    rm -f /tmp/dev_fp8.safetensors ;;                # the disk holds only one of the large files at a time
+  wan_clip) step "Wan 14B, one 832x480 clip of 17 frames"; wan_ckpt
+    timeout 150 python3 bench/place_train.py run --path /tmp/w14.safetensors --resolution 832x480 --frames 17 \
+      --checkpointing block --steps 3 --out "$out/wan14b_832x480x17_place.json" ;;
+  te_split) step "text-encoder split tests on CUDA (cuda:0 and cpu stages)"
+    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_text_encoder_split.py 2>&1 | tail -3 ;;
+  two_gpu_trial) step "two-GPU bench tried on one GPU (both stages on cuda:0, caps summed): Wan split vs swap"; wan_ckpt
+    ln -sf /tmp/w14.safetensors /tmp/wan2.1-14b.safetensors
+    timeout 200 python3 bench/two_gpu.py --devices cuda:0,cuda:0 --ckpt-dir /tmp --keep-ckpt --out "$out" \
+      --time-limit-s 180 --cases wan_split --only wan_split/split,wan_split/swap --wan-micro-batches 1 --steps 3 ;;
   *) echo "unknown section $s" ;;
   esac
 done

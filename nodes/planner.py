@@ -55,14 +55,16 @@ class PartitionPlanner(io.ComfyNode):
             display_name="UGPUM Partition Planner",
             category="UGPUM",
             description="Splits the model's blocks over the GPUs from their free memory, speed and PCIe link, "
-                        "and forecasts memory per GPU and seconds per step, next to one GPU with block swap. "
-                        "Queue it alone to read the forecast before training.",
+                        "and forecasts memory per GPU and seconds per step, next to one GPU with block swap, "
+                        "and whether the text encoder fits one GPU to cache the captions or is split over "
+                        "several for that step. Queue it alone to read the forecast before training.",
             is_output_node=True,
             inputs=[
                 UGPUM_MODEL.Input("model"),
                 io.Int.Input("resolution", default=1024, min=64, max=4096, step=16,
-                             tooltip="Training resolution in pixels (square side; images are bucketed to "
-                                     "about this many pixels at their own aspect ratio)."),
+                             tooltip="Training resolution in pixels (square side; images and clips are "
+                                     "bucketed to about this many pixels at their own aspect ratio: 640 "
+                                     "gives 832x480 for Wan's 480p clips)."),
                 io.Int.Input("batch", default=1, min=1, max=64, tooltip="Images per micro-batch."),
                 io.Int.Input("grad_accum", default=1, min=1, max=64, display_name="gradient accumulation",
                              tooltip="Micro-batches per optimizer step; with two or more GPUs they are "
@@ -73,7 +75,9 @@ class PartitionPlanner(io.ComfyNode):
                                tooltip="'block' recomputes each block in backward: much less memory, "
                                        "about 45% more compute."),
                 io.Int.Input("frames", default=1, min=1, max=257, optional=True,
-                             tooltip="Video frames per sample (Wan only: 1, 5, 9, ... 81). FLUX.2: 1."),
+                             tooltip="Video frames per clip, taken from each clip's start (Wan only: "
+                                     "4k+1 such as 17 or 33; 1 trains images). The forecast covers them. "
+                                     "FLUX.2: 1."),
                 io.String.Input("manual_split", default="", optional=True, display_name="manual split",
                                 tooltip="Optional: blocks per device in device order, e.g. '14, 18'. "
                                         "Empty: the planner chooses."),

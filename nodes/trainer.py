@@ -14,6 +14,7 @@ from comfy_api.latest import io, ui
 from PIL import Image
 
 from ugpum.train.dataset import IMAGE_EXTENSIONS
+from ugpum.train.video import folder_has_clips
 
 from .errors import UGPUMError, is_interruption, user_errors
 from .planner import CPU_FALLBACK_MAX_PARAMS
@@ -32,8 +33,10 @@ DEFAULT_SAMPLE_PROMPT = ("loranne, a cartoon woman with a teal bob haircut, roun
 
 
 def _has_images(folder: Path) -> bool:
+    """Images, or clips for Wan (video files or folders of numbered frames)."""
     try:
-        return any(p.suffix.lower() in IMAGE_EXTENSIONS for p in folder.iterdir() if p.is_file())
+        return any(p.suffix.lower() in IMAGE_EXTENSIONS for p in folder.iterdir() if p.is_file()) \
+            or folder_has_clips(folder)
     except OSError:
         return False
 
@@ -81,11 +84,12 @@ def run_folder(save_name: str) -> Path:
     return Path(folder_paths.get_output_directory()) / "ugpum" / save_name.strip().removesuffix(".safetensors")
 
 
-def make_encoders(model: UGPUMModel, clip, vae):
-    """ComfyUI's CLIP and VAE; the tiny test models alone may run without them (stand-in encoders)."""
+def make_encoders(model: UGPUMModel, clip, vae, devices=None):
+    """ComfyUI's CLIP and VAE; the tiny test models alone may run without them (stand-in encoders).
+    A text encoder too large for the first GPU is split over `devices` while captions are cached."""
     if clip is not None and vae is not None:
         from .comfy_glue import ComfyEncoders
-        return ComfyEncoders(clip, vae, model.family)
+        return ComfyEncoders(clip, vae, model.family, devices=devices)
     if model.spec.params <= CPU_FALLBACK_MAX_PARAMS:
         from ugpum.train.encoders import StandInEncoders
         return StandInEncoders(model.spec)
@@ -154,7 +158,9 @@ class LoRATrainer(io.ComfyNode):
                                                  "resolution, batch and gradient accumulation."),
                 io.Combo.Input("dataset", options=dataset_choices(),
                                tooltip="A bundled demo set, or a folder of images with same-name .txt "
-                                       "captions (or a musubi-tuner dataset .toml) in ComfyUI's input folder."),
+                                       "captions (or a musubi-tuner dataset .toml) in ComfyUI's input folder. "
+                                       "Wan: also clips (.mp4/.webm/.mkv/.mov, or folders of numbered "
+                                       "frames), each giving the Planner's frames from its start."),
                 io.String.Input("trigger_word", default="loranne",
                                 tooltip="Put in front of every caption that lacks it."),
                 io.Int.Input("steps", default=300, min=1, max=100000, tooltip="Optimizer steps."),
@@ -209,7 +215,7 @@ class LoRATrainer(io.ComfyNode):
         with user_errors(NODE):
             cfg = make_config(model, plan, data, trigger_word, steps, learning_rate, alpha, seed,
                               sample_prompt, sample_every, save_name)
-            encoders = make_encoders(model, clip, vae)
+            encoders = make_encoders(model, clip, vae, cfg.devices)
         bar = comfy.utils.ProgressBar(steps)
         t_start = time.perf_counter()
 
@@ -227,6 +233,8 @@ class LoRATrainer(io.ComfyNode):
                 result = train(cfg, out, encoders=encoders, model=module, key_prefix=model.key_prefix,
                                plan=plan.plan, **hooks)
         except BaseException as exc:
+            if hasattr(encoders, "release"):    # never leave ComfyUI's CLIP split over the GPUs
+                encoders.release()
             if is_interruption(exc):          # Cancel: the engine saved <name>_step<N>; list it with the LoRAs
                 partial = sorted(out.glob(f"{cfg.output_name}_step*.safetensors"), key=lambda p: p.stat().st_mtime)
                 if partial:

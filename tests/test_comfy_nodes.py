@@ -1,6 +1,6 @@
 """The node pack inside a real ComfyUI server (tests/comfy_server.py): it imports cleanly, /object_info
 shows the four nodes as declared, Loader -> Planner runs on real-format files, errors reach the user
-as sentences, and the bundled workflow only uses nodes and widget values the server accepts."""
+as sentences, and every bundled workflow only uses nodes and widget values the server accepts."""
 from __future__ import annotations
 
 import json
@@ -14,7 +14,8 @@ import torch
 from comfy_server import PACK_DIR_NAME, REPO, comfy_server_factory, execution_error  # noqa: F401  (fixture)
 from comfy_models import flux2_state_dict_keys, wan_state_dict_keys
 
-WORKFLOW = REPO / "example_workflows" / "ugpum_klein9b_lora.json"
+WORKFLOWS = sorted((REPO / "example_workflows").glob("*.json"))
+WAN14B_FP8_FILE = "wan2.1_t2v_14B_fp8_scaled.safetensors"     # header only, sparse (workflow server)
 TINY_FILE = "tiny-flux2.safetensors"
 KLEIN_BASE_FILE = "flux-2-klein-base-9b-fp8.safetensors"      # header only, sparse
 WAN_FILE = "wan2.1_t2v_1.3B_fp16.safetensors"                  # header only; its encoders are absent
@@ -324,13 +325,44 @@ def check_widget(node_type: str, name: str, kind: str, opts: dict, value) -> Non
         assert low <= value <= high, f"{where}: outside [{low}, {high}]"
 
 
-def test_example_workflow_uses_existing_nodes_with_valid_widget_values(server):
-    workflow = json.loads(WORKFLOW.read_text())
-    info = server.object_info()
+def prepare_catalog_models(models: Path, input_dir: Path) -> None:
+    """Every file of the model catalog (what `python -m ugpum download` fetches) by name, as empty
+    placeholders (the workflows' loader combos must list them), and the Wan 14B fp8 DiT as a real
+    header, which the Loader and Planner read."""
+    from ugpum.models_catalog import MODELS
+    for entry in MODELS.values():
+        for f in entry.all_files():
+            f.dest(models).parent.mkdir(parents=True, exist_ok=True)
+            f.dest(models).touch()
+    write_header_only(models / "diffusion_models" / WAN14B_FP8_FILE,
+                      {k: ("F8_E4M3" if "blocks." in k and len(s) == 2 else "BF16", s)
+                       for k, s in wan_state_dict_keys("t2v-14b").items()})
+
+
+@pytest.fixture(scope="module")
+def workflow_server(comfy_server_factory):
+    return comfy_server_factory(prepare=prepare_catalog_models)
+
+
+def test_every_workflow_has_a_thumbnail_and_a_known_model():
+    from ugpum.models_catalog import MODELS
+    catalog_dits = {f.filename for entry in MODELS.values() for f in entry.dit.values()}
+    assert {w.name for w in WORKFLOWS} >= {"ugpum_klein9b_lora.json", "ugpum_wan14b_lora.json"}
+    for path in WORKFLOWS:
+        assert path.with_suffix(".jpg").is_file(), f"{path.name} has no thumbnail"
+        loaders = [n for n in json.loads(path.read_text())["nodes"] if n["type"] == "UGPUMLoader"]
+        assert loaders and all(n["widgets_values"][0] in catalog_dits for n in loaders), path.name
+
+
+@pytest.mark.parametrize("path", WORKFLOWS, ids=lambda p: p.stem)
+def test_example_workflow_uses_existing_nodes_with_valid_widget_values(workflow_server, path):
+    workflow = json.loads(path.read_text())
+    info = workflow_server.object_info()
     nodes = {n["id"]: n for n in workflow["nodes"]}
     types = {n["type"] for n in nodes.values()}
     assert set(NODE_CONTRACT) <= types
-    assert {"CLIPLoader", "VAELoader", "UNETLoader", "LoraModelLoader", "VAEDecode", "SaveImage"} <= types
+    assert {"CLIPLoader", "VAELoader", "UNETLoader", "LoraModelLoader", "VAEDecode"} <= types
+    assert types & {"SaveImage", "SaveAnimatedWEBP", "SaveWEBM", "SaveVideo"}
     for node in nodes.values():
         if node["type"] in FRONTEND_ONLY:
             continue
@@ -368,3 +400,30 @@ def test_example_workflow_uses_existing_nodes_with_valid_widget_values(server):
     lora_links = [l for l in workflow["links"] if l[5] == "LORA_MODEL"]
     assert {nodes[l[3]]["type"] for l in lora_links} >= {"LoraModelLoader", "UGPUMSamplePreview"}
     assert all(nodes[l[1]]["type"] == "UGPUMLoRATrainer" for l in lora_links)
+
+
+def test_wan_workflow_trains_clips_with_the_stock_wan_loaders(workflow_server):
+    """The Wan 14B workflow: umT5 through CLIPLoader type wan, the Wan VAE, 4k+1 frames on the Planner,
+    a clip dataset, and ComfyUI's Wan shift (8) and video latent in the inference branch."""
+    from ugpum.models_catalog import MODELS
+    wan = MODELS["wan2.1-14b"]
+    nodes = {n["type"]: n for n in json.loads((REPO / "example_workflows" / "ugpum_wan14b_lora.json").read_text())["nodes"]}
+    assert nodes["CLIPLoader"]["widgets_values"][:2] == [wan.text_encoder.filename, "wan"]
+    assert nodes["VAELoader"]["widgets_values"] == [wan.vae.filename]
+    resolution, frames = nodes["UGPUMPartitionPlanner"]["widgets_values"][0], nodes["UGPUMPartitionPlanner"]["widgets_values"][5]
+    assert frames > 1 and (frames - 1) % 4 == 0
+    assert nodes["ModelSamplingSD3"]["widgets_values"] == [8.0]
+    width, height, length, _ = nodes["EmptyHunyuanLatentVideo"]["widgets_values"]
+    assert (width, height) == (832, 480) and (length - 1) % 4 == 0
+    dataset = nodes["UGPUMLoRATrainer"]["widgets_values"][0]
+    from ugpum.train.video import folder_has_clips
+    assert folder_has_clips(REPO / "demo_datasets" / dataset.removeprefix("demo/"))
+    # its Loader and Planner run on the real-format 14B header: the forecast states the frames
+    entry = workflow_server.run({"1": loader(WAN14B_FP8_FILE, devices="16GiB, 16GiB"),
+                                 "2": planner(["1", 0], resolution=resolution, frames=frames, rank=32,
+                                              grad_accum=4)}, timeout=90)
+    assert_success(entry, workflow_server)
+    report = ui_text(entry, "2")
+    assert report.startswith(f"wan2.1-14b  {resolution}x{resolution}, {frames} frames ({1 + (frames - 1) // 4} "
+                             "latent)  batch 1  grad-accum 4  rank 32  fp8"), report
+    assert "blocks.39" in report and "predicted:" in report

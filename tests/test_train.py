@@ -215,6 +215,15 @@ def test_cli_train_writes_the_output_folder(tmp_path, capsys):
     assert "--out" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "sequential"])
+def test_cli_schedule_flag_picks_the_micro_batch_order(tmp_path, capsys, schedule):
+    from ugpum.cli import main
+    assert main(["train", "--profile", "tiny-flux2", "--dataset", str(DATASET), "--devices", "cpu,cpu",
+                 "--steps", "1", "--grad-accum", "2", "--schedule", schedule, "--sample-every", "0",
+                 "--out", str(tmp_path / "run")]) == 0
+    assert f"micro-batch schedule: {schedule}" in capsys.readouterr().out
+
+
 def test_demo_on_real_weights_names_missing_files_and_the_download_command(tmp_path, capsys):
     from ugpum.cli import main
     models = tmp_path / "models"

@@ -35,8 +35,9 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--model", required=True, help="model id (e.g. flux2-klein-9b) or a .safetensors DiT file")
     p.add_argument("--gpu", action="append", required=True, metavar="SPEC",
                    help="a GPU: auto, cuda:N, a size (16GiB), or a preset (rtx4090), optionally @pcie4x4; repeat")
-    p.add_argument("--resolution", type=_resolution, default=(1024, 1024), metavar="PX")
-    p.add_argument("--frames", type=int, default=1, help="video frames (Wan: 4k+1)")
+    p.add_argument("--resolution", type=_resolution, default=(1024, 1024), metavar="PX",
+                   help="one side (square) or WIDTHxHEIGHT, e.g. 832x480 for Wan's 480p")
+    p.add_argument("--frames", type=int, default=1, help="video frames per clip (Wan: 4k+1, e.g. 17 or 33)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--rank", type=int, default=16, help="LoRA rank")
@@ -80,7 +81,8 @@ def _block_range(paths: list[str], a: int, b: int) -> str:
 
 def format_plan(plan) -> str:
     w = plan.workload
-    lines = [f"{plan.model}  {w['width']}x{w['height']}" + (f"x{w['frames']}f" if w["frames"] > 1 else "")
+    clip = f", {w['frames']} frames ({1 + (w['frames'] - 1) // 4} latent)" if w["frames"] > 1 else ""
+    lines = [f"{plan.model}  {w['width']}x{w['height']}{clip}"
              + f"  batch {w['batch']}  grad-accum {plan.grad_accum}  rank {w['rank']}  {w['weight_dtype']}"
              + f"  checkpointing {'block' if w['checkpointing'] else 'none'}", ""]
     header = f"{'device':<24} {'blocks':<44} {'swapped':>7} {'forecast / budget GiB':>22} {'s/micro-batch':>13}"
@@ -99,6 +101,10 @@ def format_plan(plan) -> str:
         lines.append(f"one GPU ({sf['device']}) with swap: {sf['predicted_step_s']:.2f} s/step, "
                      f"{len(sf['offloaded_blocks'])} blocks swapped, {sf['forecast_gib']:.1f} GiB")
     lines += [f"predicted: {plan.predicted_step_s:.2f} s/step", "", plan.verdict]
+    from .text_encoder_split import forecast_line
+    text_encoder = forecast_line(plan)
+    if text_encoder:
+        lines += ["", text_encoder]
     return "\n".join(lines)
 
 
@@ -107,11 +113,15 @@ def add_train_parser(sub) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--config", help="a TOML file of TrainConfig settings (top level or [train])")
     src.add_argument("--profile", help="a built-in profile: " + ", ".join(PROFILES))
-    p.add_argument("--dataset", help="image folder with same-stem .txt captions, or a musubi dataset .toml")
+    p.add_argument("--dataset", help="folder of images or clips (Wan) with same-stem .txt captions, "
+                                     "or a musubi dataset .toml")
     p.add_argument("--model", help="the DiT .safetensors file (its header names the model)")
     p.add_argument("--devices", help="auto, cuda:0,cuda:1 or cpu,cpu")
     p.add_argument("--steps", type=int)
+    p.add_argument("--frames", type=int, help="Wan clips: frames from each clip's start (4k+1, e.g. 17 or 33)")
     p.add_argument("--grad-accum", type=int)
+    p.add_argument("--schedule", choices=["auto", "sequential", "gpipe", "1f1b"],
+                   help="order of the micro-batches over the stages (default auto: the best for the plan)")
     p.add_argument("--resume", metavar="DIR", help="continue the run whose output folder is DIR")
     p.add_argument("--out", help="output folder (LoRA, metrics.jsonl, samples/, checkpoints/)")
     p.add_argument("--stand-in-encoders", action="store_true",
@@ -120,8 +130,8 @@ def add_train_parser(sub) -> None:
 
 
 def train_config_from_args(args):
-    overrides = {"dataset": args.dataset, "steps": args.steps, "grad_accum": args.grad_accum,
-                 "devices": args.devices.split(",") if args.devices else None,
+    overrides = {"dataset": args.dataset, "steps": args.steps, "frames": args.frames, "grad_accum": args.grad_accum,
+                 "schedule": args.schedule, "devices": args.devices.split(",") if args.devices else None,
                  "stand_in_encoders": True if args.stand_in_encoders else None,
                  "sample_every": args.sample_every}
     if args.model:

@@ -19,12 +19,24 @@ side stream but used on its current stream (`record_stream` again). No host sync
 gradient); anything with a CPU end -> a plain `.to()` (blocking when the destination is the CPU:
 a non-blocking device-to-host copy could be read before it lands). Everything here runs the same on
 CPU-only machines, without streams.
+
+Staged copies: GeForce cards have no peer access, so CUDA stages their GPU -> GPU copies through host
+memory by itself. To measure that path on GPUs that do have peer access, `UGPUM_STAGED_COPIES=1` (or
+`with staged_copies():`) makes every CUDA -> CUDA copy go explicitly device -> page-locked host ->
+device: down on the source's side stream, up on the destination's once an event says the bytes
+landed; still no host synchronisation. Off by default.
 """
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
 
 import torch
+
+STAGED_ENV = "UGPUM_STAGED_COPIES"
+_ON, _OFF = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+_staged_override: bool | None = None     # set by `staged_copies`; None: the environment decides
 
 _streams: dict[tuple[int, int], tuple["torch.cuda.Stream", "torch.cuda.Stream"]] = {}
 _streams_lock = threading.Lock()
@@ -74,6 +86,69 @@ def _cuda_copy(x: torch.Tensor, dst: torch.device) -> torch.Tensor:
     return y
 
 
+def staged_copies_enabled() -> bool:
+    """Whether CUDA -> CUDA copies go through host memory (`staged_copies`, else UGPUM_STAGED_COPIES)."""
+    if _staged_override is not None:
+        return _staged_override
+    value = os.environ.get(STAGED_ENV, "").strip().lower()
+    if value in _ON or value in _OFF:
+        return value in _ON
+    raise ValueError(f"{STAGED_ENV}={os.environ[STAGED_ENV]!r}: set it to 1 to stage GPU-to-GPU copies "
+                     "through host memory, or to 0 (or unset it) to copy directly")
+
+
+@contextlib.contextmanager
+def staged_copies(enabled: bool = True):
+    """Stage CUDA -> CUDA copies through host memory (or not) inside the block, whatever the
+    environment says. Process-wide, not per thread: the autograd engine's threads copy gradients back
+    and the pipeline runs forwards in threads of its own."""
+    global _staged_override
+    before = _staged_override
+    _staged_override = bool(enabled)
+    try:
+        yield
+    finally:
+        _staged_override = before
+
+
+def _staged_copy(x: torch.Tensor, dst: torch.device) -> torch.Tensor:
+    """`x` (no autograd) copied to `dst` through host memory (see the module docstring).
+
+    Between GPUs the host buffer is page-locked and comes from torch's caching host allocator, which
+    does not hand it out again before the events the two non-blocking copies record on their streams
+    have passed, so dropping it here is safe. Elsewhere (CPU tensors, in tests) the same two copies
+    run plainly, in order."""
+    src = x.device
+    gpu = src.type == "cuda" and dst.type == "cuda"
+    down, up = edge_streams(src, dst) if gpu else (None, None)
+    if gpu:
+        down.wait_stream(torch.cuda.current_stream(src))    # x is ready
+    with torch.cuda.stream(down):                           # (a no-op context without a stream)
+        host = torch.empty(x.shape, dtype=x.dtype, pin_memory=gpu)
+        host.copy_(x, non_blocking=gpu)                     # device -> host
+        landed = down.record_event() if gpu else None
+    if gpu:
+        up.wait_event(landed)                               # the bytes are in host memory
+    with torch.cuda.stream(up):
+        y = torch.empty(x.shape, dtype=x.dtype, device=dst)  # allocated for `up`
+        y.copy_(host, non_blocking=gpu)                     # host -> device
+    if gpu:
+        dst_compute = torch.cuda.current_stream(dst)
+        x.record_stream(down)
+        y.record_stream(dst_compute)
+        dst_compute.wait_stream(up)
+    return y
+
+
+def _gpu_copy(x: torch.Tensor, dst: torch.device) -> tuple[torch.Tensor, "torch.cuda.Stream"]:
+    """(`x` copied to the GPU `dst`, the side stream the copy finishes on): staged through host
+    memory when `staged_copies_enabled()`, else direct."""
+    out_stream, in_stream = edge_streams(x.device, dst)
+    if staged_copies_enabled():
+        return _staged_copy(x, dst), in_stream
+    return _cuda_copy(x, dst), out_stream
+
+
 def copy_tensor(x: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """A copy of `x`'s data on `device`, outside autograd (the result needs no gradient)."""
     device = as_device(device)
@@ -81,7 +156,7 @@ def copy_tensor(x: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     if x.device == device:
         return x
     if x.device.type == "cuda" and device.type == "cuda":
-        return _cuda_copy(x, device)
+        return _gpu_copy(x, device)[0]
     return x.to(device, non_blocking=device.type != "cpu")
 
 
@@ -108,9 +183,8 @@ class Copy(torch.autograd.Function):
         if grad.device == src:
             return grad, None
         if grad.device.type == "cuda" and src.type == "cuda":
-            moved = _cuda_copy(grad, src)       # src's current stream already waits for the copy
-            out_stream, _ = edge_streams(grad.device, src)
-            torch.cuda.current_stream(grad.device).wait_stream(out_stream)
+            moved, finished_on = _gpu_copy(grad, src)   # src's current stream already waits for it
+            torch.cuda.current_stream(grad.device).wait_stream(finished_on)
             return moved, None
         return copy_tensor(grad, src), None
 

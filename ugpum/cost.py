@@ -1,7 +1,7 @@
 """Seconds and bytes per block for one training micro-batch: the planner's cost model (DESIGN §5)."""
 from __future__ import annotations
 
-from .arch.base import WEIGHT_BYTES, ArchSpec, BlockSpec, Workload
+from .arch.base import ACT_BYTES, WEIGHT_BYTES, ArchSpec, BlockSpec, Workload
 
 GIB = 1024 ** 3
 
@@ -52,18 +52,27 @@ def block_weight_bytes(block: BlockSpec, w: Workload) -> int:
     return block.params * WEIGHT_BYTES[w.weight_dtype]
 
 
+def cast_copy_bytes(block: BlockSpec, w: Workload) -> float:
+    """Weights stored below the compute precision (fp8) are cast per matmul by ComfyUI's manual-cast
+    ops, and autograd keeps each cast copy (2 bytes a weight) until that layer's input gradient is
+    computed: a block's weights exist a second time from its (re)computed forward to its backward.
+    Weights already in the compute dtype are kept by reference and cost nothing extra."""
+    return block.params * ACT_BYTES if WEIGHT_BYTES[w.weight_dtype] < ACT_BYTES else 0.0
+
+
 def block_activation_bytes(spec: ArchSpec, block: BlockSpec, w: Workload) -> float:
     """Bytes a block keeps alive from its forward until its backward."""
     if w.checkpointing:
         return spec.boundary_bytes(w)                     # only the block's input is kept
-    return spec.saved_units(block) * spec.boundary_bytes(w)
+    return spec.saved_units(block) * spec.boundary_bytes(w) + cast_copy_bytes(block, w)
 
 
 def block_peak_extra_bytes(spec: ArchSpec, block: BlockSpec, w: Workload) -> float:
     """Working memory on top of what is kept, while the block is recomputed and runs backward."""
     if not w.checkpointing:
         return 0.0
-    return RECOMPUTE_PEAK_SHARE * spec.saved_units(block) * spec.boundary_bytes(w)
+    # the cast weight copies are freed as backward goes, like the activations
+    return RECOMPUTE_PEAK_SHARE * (spec.saved_units(block) * spec.boundary_bytes(w) + cast_copy_bytes(block, w))
 
 
 def lora_bytes(block: BlockSpec, w: Workload) -> int:

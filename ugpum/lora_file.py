@@ -270,8 +270,19 @@ def lora_modules(tensors: Mapping[str, torch.Tensor], known_modules: Iterable[st
 # ---------------------------------------------------------------- dataset identity
 
 
+def _content_digest(path: Path) -> str:
+    """A file's sha256; for a folder (a clip of numbered frames), over its files' names and bytes."""
+    if not path.is_dir():
+        with open(path, "rb") as f:
+            return hashlib.file_digest(f, "sha256").hexdigest()
+    h = hashlib.sha256()
+    for f in sorted(p for p in path.iterdir() if p.is_file()):
+        h.update(f.name.encode() + b"\0" + bytes.fromhex(_content_digest(f)))
+    return h.hexdigest()
+
+
 def dataset_hash(items: Iterable) -> str:
-    """A sha256 hex digest of the images' bytes and their captions.
+    """A sha256 hex digest of the images' (and clips') bytes and their captions.
 
     Items are anything with `.path` and `.caption`. The order of items and the file names
     do not matter; contents, captions and how often each pair occurs (repeats) do.
@@ -281,7 +292,7 @@ def dataset_hash(items: Iterable) -> str:
     for item in items:
         path = Path(item.path)
         if path not in image_digests:
-            image_digests[path] = hashlib.sha256(path.read_bytes()).hexdigest()
+            image_digests[path] = _content_digest(path)
         entries.append(json.dumps([image_digests[path], item.caption]))
     digest = hashlib.sha256()
     for entry in sorted(entries):

@@ -58,6 +58,10 @@ class ModelFile:
     licence: Licence
     gated: bool = False           # the repository asks you to accept its licence before downloading
     revision: str = "main"
+    # Text encoders: the architecture (ugpum/arch/text_encoders.py) and the dtype its Linear weights are
+    # stored in, from which the plan forecasts the caption-caching step.
+    arch: str = ""
+    dtype: str = ""
 
     @property
     def folder(self) -> str:
@@ -141,24 +145,27 @@ FLUX2_VAE = ModelFile("vae", "flux2-vae.safetensors", "Comfy-Org/flux2-dev",
 # templates/image_flux2_klein_image_edit_9b_distilled.json ("text_encoders")
 # https://github.com/Comfy-Org/workflow_templates/blob/main/templates/image_flux2_klein_image_edit_9b_distilled.json
 QWEN3_8B = ModelFile("text_encoder", "qwen_3_8b_fp8mixed.safetensors", "Comfy-Org/flux2-klein-9B",
-                     "split_files/text_encoders/qwen_3_8b_fp8mixed.safetensors", APACHE_2)
+                     "split_files/text_encoders/qwen_3_8b_fp8mixed.safetensors", APACHE_2,
+                     arch="qwen3-8b", dtype="fp8")
 
 # Qwen3-4B (Apache-2.0) for klein 4B: template templates/image_flux2_klein_text_to_image.json
 # https://github.com/Comfy-Org/workflow_templates/blob/main/templates/image_flux2_klein_text_to_image.json
 QWEN3_4B = ModelFile("text_encoder", "qwen_3_4b.safetensors", "Comfy-Org/flux2-klein",
-                     "split_files/text_encoders/qwen_3_4b.safetensors", APACHE_2)
+                     "split_files/text_encoders/qwen_3_4b.safetensors", APACHE_2, arch="qwen3-4b", dtype="bf16")
 
 # Mistral Small 3.x 24B (Apache-2.0) for FLUX.2 [dev]: template templates/image_flux2.json
 # https://github.com/Comfy-Org/workflow_templates/blob/main/templates/image_flux2.json
 # and blueprint "Text to Image (Flux.2 Dev).json" in comfyanonymous/ComfyUI.
 MISTRAL_3_SMALL = ModelFile("text_encoder", "mistral_3_small_flux2_bf16.safetensors", "Comfy-Org/flux2-dev",
-                            "split_files/text_encoders/mistral_3_small_flux2_bf16.safetensors", APACHE_2)
+                            "split_files/text_encoders/mistral_3_small_flux2_bf16.safetensors", APACHE_2,
+                            arch="mistral-small-3-24b", dtype="bf16")
 
 # umT5-XXL and the Wan 2.1 VAE: ComfyUI examples, Wan 2.1 ("Files to Download")
 # https://github.com/comfyanonymous/ComfyUI_examples/blob/master/wan/README.md
 WAN_REPO = "Comfy-Org/Wan_2.1_ComfyUI_repackaged"
 UMT5_XXL = ModelFile("text_encoder", "umt5_xxl_fp8_e4m3fn_scaled.safetensors", WAN_REPO,
-                     "split_files/text_encoders/umt5_xxl_fp8_e4m3fn_scaled.safetensors", APACHE_2)
+                     "split_files/text_encoders/umt5_xxl_fp8_e4m3fn_scaled.safetensors", APACHE_2,
+                     arch="umt5-xxl", dtype="fp8")
 WAN_VAE = ModelFile("vae", "wan_2.1_vae.safetensors", WAN_REPO,
                     "split_files/vae/wan_2.1_vae.safetensors", APACHE_2)
 

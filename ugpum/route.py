@@ -5,7 +5,8 @@ lists, dicts and dataclasses such as FLUX.2's shared modulation) to that module'
 that need no gradient (RoPE tables, modulation, text context) are the same for every block of a step:
 they are copied once per device per step and reused. The hidden state is copied at each boundary;
 copy is differentiable (`copy.move`), so its gradient flows back to the previous device. GPU-to-GPU
-copies run on side streams (see `copy.py`), so the devices never wait on each other's queues.
+copies run on side streams (see `copy.py`), so the devices never wait on each other's queues; with
+UGPUM_STAGED_COPIES=1 they go through pinned host memory, as between GPUs without peer access.
 
 The cached copies belong to the thread that made them: the pipeline runs each micro-batch's forward
 in a thread of its own, and micro-batches in flight at the same time must neither share nor clear

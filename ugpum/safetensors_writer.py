@@ -38,5 +38,5 @@ def write_streaming(path: str | Path, shapes: dict[str, tuple[tuple[int, ...], t
             t = make(name, shape, dtype).to("cpu", dtype).contiguous()
             if tuple(t.shape) != tuple(shape):
                 raise ValueError(f"{name}: made shape {tuple(t.shape)}, declared {tuple(shape)}")
-            f.write(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+            f.write(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")  # 0-d: scales
     return path

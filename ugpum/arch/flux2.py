@@ -2,6 +2,11 @@
 
 Figures from DESIGN.md §4: hidden = heads x 128, SwiGLU MLP ratio 3, no biases, modulation computed
 once per step by three top-level modules and shared by all blocks.
+
+[dev] differs from [klein] beyond its size in one module: `guidance_in`, an embedder for the distilled
+guidance scale (added to the timestep embedding). Its presence in a header is what tells a dev-like
+file from a klein-like one; a model that has it must be given `guidance=` in every forward, or ComfyUI
+silently skips the embedding.
 """
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ VARIANTS = {
     "flux2-dev": (6144, 8, 48, 15360, True, False, "Flux.2-dev"),
     # for tests: the same code paths at a size that trains on a CPU in seconds
     "tiny-flux2": (64, 2, 3, 96, False, True, "Flux.2-tiny"),
+    "tiny-flux2-dev": (64, 2, 3, 96, True, False, "Flux.2-dev-tiny"),     # with the guidance embedder
 }
 TINY_HEAD_DIM = 16
 
@@ -77,7 +83,8 @@ def recognise(shapes: dict[str, tuple[int, ...]], filename: str = "") -> ArchSpe
     double = _count(shapes, "double_blocks.")
     single = _count(shapes, "single_blocks.")
     guidance = any(k.startswith("guidance_in.") for k in shapes)
-    head_dim = shapes.get("double_blocks.0.img_attn.norm.query_norm.scale", (128,))[0]
+    query_norm = "double_blocks.0.img_attn.norm.query_norm."         # files: .scale; ComfyUI 0.33: .weight
+    head_dim = (shapes.get(query_norm + "scale") or shapes.get(query_norm + "weight") or (128,))[0]
     base = "base" in filename.lower()
     for id, (h, d, s, c, g, distilled, title) in VARIANTS.items():
         if (h, d, s, c, g) == (hidden, double, single, context_dim, guidance):

@@ -1,8 +1,9 @@
 """Latents and caption embeddings computed once, stored as safetensors, keyed by content.
 
-A key covers the image bytes (or caption text), the bucket and the encoders' identity, so a changed
-image, caption or encoder gives a new key (the stale entry is simply not used); a damaged file is
-rebuilt. Files are written under a temporary name and renamed.
+A key covers the image bytes (a clip's bytes and its frames and stride; or caption text), the bucket
+and the encoders' identity, so a changed image, clip, caption or encoder gives a new key (the stale
+entry is simply not used); a damaged file is rebuilt. Files are written under a temporary name and
+renamed. A clip's latent is [16, T', h, w] with T' = 1 + (frames - 1) / 4 (Wan's VAE).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from safetensors.torch import load_file, save_file
 from ..atomic import atomic_path
 from .dataset import ImageItem, load_bucketed_image
 from .encoders import Encoders
+from .video import ClipItem, clip_digest, latent_frames, load_bucketed_clip
 
 
 class FeatureCache:
@@ -48,8 +50,22 @@ class FeatureCache:
         return tensor
 
     def latent(self, item: ImageItem) -> torch.Tensor:
+        if isinstance(item, ClipItem):
+            return self.clip_latent(item)
         key = self._key(item.path.read_bytes(), repr(item.bucket).encode())
         return self._get("latents", key, lambda: self.encoders.encode_images(load_bucketed_image(item)[None])[0])
+
+    def clip_latent(self, item: ClipItem) -> torch.Tensor:
+        def encode() -> torch.Tensor:
+            latent = self.encoders.encode_video(load_bucketed_clip(item))[0]
+            expected = latent_frames(item.frames)
+            if latent.dim() != 4 or latent.shape[1] != expected:
+                raise ValueError(f"clip {item.path}: the VAE gave a latent of shape {tuple(latent.shape)} for "
+                                 f"{item.frames} frames, not [C, {expected}, h, w]; connect the Wan 2.1 VAE")
+            return latent
+        key = self._key(clip_digest(item.path), repr(item.bucket).encode(),
+                        f"frames={item.frames} stride={item.stride}".encode())
+        return self._get("latents", key, encode)
 
     def text(self, caption: str) -> torch.Tensor:
         return self._get("text", self._key(caption.encode()), lambda: self.encoders.encode_text([caption])[0])

@@ -6,7 +6,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..arch import model_ids
+from ..arch import get_spec, model_ids
 
 
 class ConfigError(ValueError):
@@ -20,7 +20,8 @@ class TrainConfig:
     dataset: str = ""                     # image folder, or a musubi-tuner dataset .toml
     trigger: str = ""                     # prepended to every caption
     resolution: int = 1024
-    frames: int = 1                       # Wan clips: 4k+1
+    frames: int = 1                       # Wan clips: 4k+1 frames from each clip's start
+    frame_stride: int = 1                 # take every Nth frame of a clip (2: half the frame rate)
     repeats: int = 1
     caption_dropout: float = 0.0
     steps: int = 50
@@ -41,6 +42,9 @@ class TrainConfig:
     checkpointing: bool = True            # per-block gradient checkpointing
     autocast: bool = True                 # bf16 autocast on CUDA
     weight_dtype: str = "bf16"            # bf16 | fp8 | fp32 (base weights, frozen)
+    guidance: float | None = None         # FLUX.2 dev's guidance-embedding input in training and
+                                          # previews; unset: the model's default (4.0); klein/Wan have
+                                          # no such input and ignore it (the run log says so)
     devices: list[str] = field(default_factory=lambda: ["auto"])
     schedule: str = "auto"                # micro-batch order: auto | sequential | gpipe | 1f1b
     save_every: int = 0                   # checkpoint every N steps (0: only at the end)
@@ -60,6 +64,9 @@ class TrainConfig:
         need(self.model in model_ids(), "model", f"unknown model; known: {', '.join(model_ids())}")
         need(self.resolution >= 16 and self.resolution % 16 == 0, "resolution", "must be a multiple of 16")
         need(self.frames >= 1 and (self.frames - 1) % 4 == 0, "frames", "must be 4k+1 (1, 5, 17, 33, ...)")
+        need(self.frames == 1 or get_spec(self.model).family == "wan", "frames",
+             f"{self.model} trains on images; video frames need a Wan 2.1 model")
+        need(self.frame_stride >= 1, "frame_stride", "must be at least 1")
         for name in ("repeats", "steps", "grad_accum", "rank"):
             need(getattr(self, name) >= 1, name, "must be at least 1")
         for name in ("warmup_steps", "save_every", "sample_every", "sample_steps", "max_grad_norm"):
@@ -73,6 +80,9 @@ class TrainConfig:
              "uniform, logit_normal, shift or flux2")
         need(self.weighting in ("none", "sigma_sqrt", "cosmap"), "weighting", "none, sigma_sqrt or cosmap")
         need(self.weight_dtype in ("bf16", "fp8", "fp32"), "weight_dtype", "bf16, fp8 or fp32")
+        number = isinstance(self.guidance, (int, float)) and not isinstance(self.guidance, bool)
+        need(self.guidance is None or (number and self.guidance >= 0), "guidance",
+             "a number >= 0 (FLUX.2 dev's default is 4.0), or leave it unset")
         need(self.schedule in ("auto", "sequential", "gpipe", "1f1b"), "schedule", "auto, sequential, gpipe or 1f1b")
         need(bool(self.output_name) and "/" not in self.output_name and "\\" not in self.output_name
              and not self.output_name.startswith("."), "output_name", "a plain file name, no folders")
@@ -85,6 +95,19 @@ PROFILES: dict[str, dict] = {
                           sample_every=10, timesteps="flux2", weight_dtype="bf16"),
     "klein-4b-1024": dict(model="flux2-klein-4b", resolution=1024, rank=16, alpha=16.0, steps=50, lr=1e-4,
                           sample_every=10, timesteps="flux2"),
+    # Wan 2.1 clips at 480p: resolution is the bucket's area (640² ~ 832x480, which 832x480 and 16:9
+    # clips get), 17 frames (5 latent frames) from each clip's start; shift 3 as musubi-tuner trains Wan
+    "wan14b-480-clip": dict(model="wan2.1-14b", resolution=640, frames=17, rank=32, alpha=32.0, steps=400,
+                            lr=1e-4, sample_every=100, timesteps="shift", shift=3.0, weight_dtype="fp8"),
+    "wan1.3b-480-clip": dict(model="wan2.1-1.3b", resolution=640, frames=33, rank=32, alpha=32.0, steps=400,
+                             lr=2e-4, sample_every=100, timesteps="shift", shift=3.0, weight_dtype="bf16"),
+    # FLUX.2 [dev] (32 B): fp8 base weights (32 GB) fit two 24 GB cards without swap at 1024², where
+    # bf16 (64 GB) would need block swap. Guidance 4.0: the guidance-distilled model is trained at the
+    # scale it is sampled with (BFL's default, black-forest-labs/flux2 scripts/cli.py; ComfyUI's FLUX.2
+    # template sets FluxGuidance 4). lr 1e-4 and rank 16-32 are what dev LoRAs are commonly trained with.
+    "flux2-dev-1024": dict(model="flux2-dev", resolution=1024, rank=16, alpha=16.0, steps=500, lr=1e-4,
+                           sample_every=100, sample_steps=20, timesteps="flux2", weight_dtype="fp8",
+                           guidance=4.0),
     # tiny random-weight models: the same code paths in seconds on a CPU (tests, demo without weights)
     "tiny-flux2": dict(model="tiny-flux2", resolution=64, rank=4, alpha=4.0, steps=50, lr=1e-2,
                        sample_every=25, timesteps="logit_normal", weight_dtype="fp32", autocast=False,
@@ -92,6 +115,9 @@ PROFILES: dict[str, dict] = {
     "tiny-wan": dict(model="tiny-wan", resolution=64, rank=4, alpha=4.0, steps=50, lr=1e-2,
                      sample_every=25, timesteps="logit_normal", weight_dtype="fp32", autocast=False,
                      stand_in_encoders=True),
+    "tiny-wan-clip": dict(model="tiny-wan", resolution=64, frames=5, rank=4, alpha=4.0, steps=50, lr=1e-2,
+                          sample_every=25, timesteps="logit_normal", weight_dtype="fp32", autocast=False,
+                          stand_in_encoders=True),
 }
 
 

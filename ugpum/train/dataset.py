@@ -262,7 +262,8 @@ _DEFAULTS = {
 def _check_table_keys(table: dict, allowed: set[str], where: str) -> None:
     for key in table:
         if key in _UNSUPPORTED_KEYS:
-            raise DatasetError(f"{where}: {key!r} is not supported by UGPUM (images only); remove it")
+            raise DatasetError(f"{where}: {key!r} is not supported in UGPUM's dataset TOML (images only); "
+                               "remove it, and train clips from a folder dataset with the frames setting")
         if key not in allowed | _IGNORED_KEYS:
             raise DatasetError(
                 f"{where}: unknown key {key!r}; allowed keys are {', '.join(sorted(allowed))}"
@@ -325,8 +326,12 @@ def load_bucketed_image(item: ImageItem) -> torch.Tensor:
 
     Scaled (aspect kept) until it covers the bucket, then centre-cropped: no stretching.
     """
-    image = _open_rgb(item.path)
-    bucket_width, bucket_height = item.bucket
+    return fit_to_bucket(_open_rgb(item.path), item.bucket)
+
+
+def fit_to_bucket(image: Image.Image, bucket: tuple[int, int]) -> torch.Tensor:
+    """An RGB picture scaled (aspect kept) to cover `bucket`, centre-cropped to it, as [3, H, W] in [-1, 1]."""
+    bucket_width, bucket_height = bucket
     scale = max(bucket_width / image.width, bucket_height / image.height)
     resized_size = (
         max(bucket_width, round(image.width * scale)),

@@ -20,6 +20,7 @@ class Encoders(Protocol):
     identity: str                                          # part of every cache key
 
     def encode_images(self, pixels: torch.Tensor) -> torch.Tensor: ...   # [B,3,H,W] in [-1,1]
+    def encode_video(self, frames: torch.Tensor) -> torch.Tensor: ...    # one clip [T,3,H,W] -> [1,C,T',h,w]
     def encode_text(self, captions: list[str]) -> torch.Tensor: ...      # [B,L,C]
     def decode(self, latents: torch.Tensor) -> torch.Tensor: ...         # -> [B,3,H,W] in [-1,1]
 
@@ -44,6 +45,16 @@ class StandInEncoders:
         z = F.pixel_unshuffle(pixels.float(), self.factor)              # [B, 3f², h, w]
         z = torch.einsum("bphw,pc->bchw", z, self.project) * 2.0
         return z.unsqueeze(2) if self.spec.family == "wan" else z      # Wan latents have a time axis
+
+    def encode_video(self, frames: torch.Tensor) -> torch.Tensor:
+        """Wan's time compression in miniature: latent frame 0 from frame 0 alone, each later latent
+        frame from the mean of the next four frames (so T' = 1 + (T - 1) / 4, as with the real VAE)."""
+        if self.spec.family != "wan" or (frames.shape[0] - 1) % 4:
+            raise ValueError(f"stand-in video encoding is Wan's: 4k+1 frames, got {frames.shape[0]} "
+                             f"for {self.spec.family}")
+        groups = [frames[:1]] + [frames[i:i + 4] for i in range(1, frames.shape[0], 4)]
+        latent = torch.cat([self.encode_images(g.float().mean(0, keepdim=True)) for g in groups], dim=2)
+        return latent                                                   # [1, 16, T', h, w]
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         z = latents[:, :, 0] if latents.dim() == 5 else latents

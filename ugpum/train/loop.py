@@ -27,13 +27,14 @@ from ..plan import Plan, make_plan
 from .cache import FeatureCache
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainConfig
-from .dataset import ImageItem, caption_dropout, load_image_folder, load_musubi_toml
+from .dataset import ImageItem, caption_dropout, load_musubi_toml
 from .encoders import Encoders, StandInEncoders
 from .flow import flow_loss, flux2_image_seq_len, noisy, sample_timesteps
 from .lora import LoraSet, attach_lora, lora_targets
 from .progress import Progress
 from .sampler import pad_flux2_context
-from .samples import render
+from .samples import guidance_for, render
+from .video import ClipItem, load_folder
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp8": torch.float8_e4m3fn}
 
@@ -61,7 +62,8 @@ def load_items(cfg: TrainConfig) -> list[ImageItem]:
     path = Path(cfg.dataset)
     if path.suffix == ".toml":
         return load_musubi_toml(path, trigger=cfg.trigger)
-    return load_image_folder(path, resolution=cfg.resolution, repeats=cfg.repeats, trigger=cfg.trigger)
+    return load_folder(path, get_spec(cfg.model).family, frames=cfg.frames, stride=cfg.frame_stride,
+                       resolution=cfg.resolution, repeats=cfg.repeats, trigger=cfg.trigger)
 
 
 def resolve_devices(cfg: TrainConfig) -> list[Device]:
@@ -110,9 +112,13 @@ def loss_at(model, spec, cfg: TrainConfig, x0: torch.Tensor, noise: torch.Tensor
             context: torch.Tensor, first: str, weighting: str) -> torch.Tensor:
     """The model's flow-matching loss for one sample noised to timestep t."""
     device = torch.device(first)
+    extra = {}
+    guidance = guidance_for(spec, cfg.guidance)           # FLUX.2 dev: without it ComfyUI skips the embedder
+    if guidance is not None:
+        extra["guidance"] = torch.full((x0.shape[0],), guidance, device=device)
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.autocast and device.type == "cuda"):
         pred = model(noisy(x0, noise, t).to(device), (t * spec.timestep_scale).to(device),
-                     model_context(spec, context).to(device), transformer_options={})
+                     model_context(spec, context).to(device), transformer_options={}, **extra)
     out = pred.device
     return flow_loss(pred.float(), x0.to(out), noise.to(out), t.to(out), weighting)
 
@@ -221,6 +227,8 @@ def train(cfg: TrainConfig, out: str | Path, encoders: Encoders | None = None, m
             plan = make_plan(spec, devices, w, grad_accum=cfg.grad_accum, in_flight=held)
     cuda_devices = sorted({s.torch_device for s in plan.stages if s.torch_device.startswith("cuda")})
     log(plan.verdict)
+    if cfg.guidance is not None and not spec.guidance:
+        log(f"note: setting 'guidance' = {cfg.guidance} is ignored: {spec.id} has no guidance embedding")
     model, lora, layout, release = prepare_model(cfg, spec, plan, model, key_prefix)
     schedule = best_schedule(plan, cfg.grad_accum) if cfg.schedule == "auto" else cfg.schedule
     if cfg.grad_accum > 1:
@@ -251,9 +259,12 @@ def train(cfg: TrainConfig, out: str | Path, encoders: Encoders | None = None, m
     log(f"validation loss before: {validation_before:.4f}")
     samples: list[Path] = []
 
+    # clips preview at the first clip's bucket (e.g. 832x480), showing the sampled clip's first frame
+    sample_w, sample_h = next((i.bucket for i in items if isinstance(i, ClipItem)), (cfg.resolution,) * 2)
+
     def take_sample(at: int) -> None:
-        pixels = render(model, spec, encoders.decode, prompt, negative, cfg.resolution, cfg.resolution,
-                        cfg.sample_seed, cfg.sample_steps, cfg.frames)
+        pixels = render(model, spec, encoders.decode, prompt, negative, sample_w, sample_h,
+                        cfg.sample_seed, cfg.sample_steps, cfg.frames, cfg.guidance)
         image = to_pil(pixels)
         path = out / "samples" / f"step_{at:05d}.png"
         path.parent.mkdir(exist_ok=True)

@@ -15,6 +15,14 @@ def sampling_defaults(spec: ArchSpec) -> SamplingDefaults:
     return SAMPLING_DEFAULTS["flux2-klein" if spec.distilled else "flux2-klein-base"]
 
 
+def guidance_for(spec: ArchSpec, setting: float | None) -> float | None:
+    """The guidance-embedding input of a model that has one (FLUX.2 dev): the setting, else the
+    model's default; None for models without that input (klein, Wan), whatever the setting."""
+    if not spec.guidance:
+        return None
+    return sampling_defaults(spec).guidance if setting is None else float(setting)
+
+
 def latent_shape(spec: ArchSpec, width: int, height: int, frames: int = 1) -> tuple[int, ...]:
     if spec.family == "wan":
         return (1, 16, 1 + (frames - 1) // 4, height // 8, width // 8)
@@ -23,10 +31,12 @@ def latent_shape(spec: ArchSpec, width: int, height: int, frames: int = 1) -> tu
 
 @torch.no_grad()
 def render(model, spec: ArchSpec, decode, positive: torch.Tensor, negative: torch.Tensor | None,
-           width: int, height: int, seed: int, steps: int = 0, frames: int = 1) -> torch.Tensor:
-    """One image ([3,H,W] in [-1,1]; a clip's first frame) from `positive` ([L,C] text context)."""
+           width: int, height: int, seed: int, steps: int = 0, frames: int = 1,
+           guidance: float | None = None) -> torch.Tensor:
+    """One image ([3,H,W] in [-1,1]; a clip's first frame) from `positive` ([L,C] text context).
+    `guidance`: FLUX.2 dev's guidance input (see `guidance_for`)."""
     defaults = sampling_defaults(spec)
-    fn = wan_model_fn(model) if spec.family == "wan" else flux2_model_fn(model)
+    fn = wan_model_fn(model) if spec.family == "wan" else flux2_model_fn(model, guidance_for(spec, guidance))
     noise = comfy_noise(latent_shape(spec, width, height, frames), seed)
     cfg = defaults.cfg if negative is not None else 1.0
     latent = sample(fn, noise, positive[None], None if cfg == 1.0 else negative[None],

@@ -1,0 +1,262 @@
+"""Wan clip datasets: decoding (PyAV files and numbered-frame folders), the errors a user sees, latents
+with Wan's time axis (stand-in and ComfyUI's own Wan VAE), and tiny-wan clip training end to end."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load_file
+
+from comfy_bridge import find_comfyui
+from ugpum.arch import get_spec
+from ugpum.train.config import ConfigError, load_config
+from ugpum.train.dataset import DatasetError
+from ugpum.train.encoders import StandInEncoders
+from ugpum.train.video import ClipItem, load_bucketed_clip, load_clip_folder, load_folder, read_frames
+
+av = pytest.importorskip("av")
+needs_comfy = pytest.mark.skipif(find_comfyui() is None, reason="needs ComfyUI's model classes")
+QUIET = dict(log=lambda *a: None)
+SIZE = (80, 48)                                   # width, height: a 5:3 clip, bucket (80, 48) at 64
+
+
+def frame_pixels(i: int, size=SIZE) -> np.ndarray:
+    """Frame i: grey level 20 + 10 i (readable back through a lossy codec) and a red bar i*5 wide."""
+    a = np.full((size[1], size[0], 3), 20 + 10 * i, np.uint8)
+    a[:, : (i * 5) % size[0], 0] = 255
+    return a
+
+
+def write_clip(path: Path, n: int, codec: str = "libx264", size=SIZE, caption: str | None = "a clip") -> Path:
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream(codec, rate=16)
+        stream.width, stream.height = size
+        stream.pix_fmt = "yuv420p"
+        if codec == "libx264":
+            stream.options = {"crf": "0"}
+        for i in range(n):
+            for packet in stream.encode(av.VideoFrame.from_ndarray(frame_pixels(i, size), format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    if caption is not None:
+        path.with_suffix(".txt").write_text(caption)
+    return path
+
+
+def write_frame_folder(folder: Path, n: int, name=lambda i: f"frame_{i + 1}.png", caption="numbered frames"):
+    folder.mkdir()
+    for i in range(n):
+        Image.fromarray(frame_pixels(i)).save(folder / name(i))
+    folder.with_name(folder.name + ".txt").write_text(caption)
+    return folder
+
+
+def grey(image: Image.Image) -> float:
+    return float(np.asarray(image)[..., 1].mean())          # green: untouched by the red bar
+
+
+# ------------------------------------------------------------------------------ decoding
+
+
+@pytest.mark.parametrize("name, codec", [("a.mp4", "libx264"), ("a.webm", "libvpx-vp9"), ("a.mkv", "ffv1"),
+                                         ("a.mov", "mpeg4")])
+def test_clip_files_give_every_stride_th_frame_from_the_start(tmp_path, name, codec):
+    clip = write_clip(tmp_path / name, 12, codec)
+    frames = read_frames(clip, 5, stride=2)
+    assert len(frames) == 5 and frames[0].size == SIZE
+    assert [grey(f) for f in frames] == pytest.approx([20, 40, 60, 80, 100], abs=4)   # frames 0, 2, 4, 6, 8
+
+
+def test_frame_folder_is_read_in_frame_number_order(tmp_path):
+    folder = write_frame_folder(tmp_path / "wave", 12)           # frame_1 .. frame_12: not alphabetical
+    frames = read_frames(folder, 9)
+    assert [grey(f) for f in frames] == pytest.approx([20 + 10 * i for i in range(9)], abs=0.5)
+
+
+def test_a_clip_becomes_frames_by_3_by_bucket(tmp_path):
+    clip = write_clip(tmp_path / "a.mp4", 9)
+    pixels = load_bucketed_clip(ClipItem(clip, "", (64, 32), 1, 5, 2))         # wider bucket: crop top/bottom
+    assert pixels.shape == (5, 3, 32, 64) and pixels.min() >= -1 and pixels.max() <= 1
+    assert float(pixels[4, 1].mean()) == pytest.approx((20 + 80) / 127.5 - 1, abs=0.04)   # frame 8's grey
+
+
+def test_demo_clip_set_is_a_480p_clip_dataset():
+    demo = Path(__file__).resolve().parent.parent / "demo_datasets" / "loranne_clips"
+    items = load_clip_folder(demo, frames=33, resolution=640, trigger="loranne")
+    assert len(items) == 10 and all(isinstance(i, ClipItem) for i in items)
+    assert {i.bucket for i in items} == {(832, 480)}
+    assert all(i.caption.startswith("loranne, ") and "the camera slowly" in i.caption for i in items)
+
+
+# ------------------------------------------------------------------------------ errors
+
+
+def test_short_clip_names_the_file_its_length_and_the_fix(tmp_path):
+    write_clip(tmp_path / "short.mp4", 10)
+    with pytest.raises(DatasetError, match=r"short\.mp4 has 10 frame\(s\), but training takes 17 frames.*"
+                                           r"set frames to 9 or fewer"):
+        load_clip_folder(tmp_path, frames=17, resolution=64)
+    with pytest.raises(DatasetError, match=r"takes 5 frames at stride 3 \(13 frames\).*lower the frame stride"):
+        load_clip_folder(tmp_path, frames=5, stride=3, resolution=64)
+
+
+def test_short_frame_folder_is_named(tmp_path):
+    write_frame_folder(tmp_path / "wave", 4)
+    with pytest.raises(DatasetError, match=r"frame folder .*wave has 4 frame\(s\)"):
+        load_clip_folder(tmp_path, frames=5, resolution=64)
+
+
+@pytest.mark.parametrize("content", [b"", b"this is not a video at all" * 100])
+def test_undecodable_clip_is_named_with_what_to_do(tmp_path, content):
+    (tmp_path / "broken.mp4").write_bytes(content)
+    (tmp_path / "broken.txt").write_text("x")
+    with pytest.raises(DatasetError, match=r"cannot (open|decode) video .*broken\.mp4.*re-encode it"):
+        load_clip_folder(tmp_path, frames=5, resolution=64)
+
+
+@pytest.mark.parametrize("frames", [2, 6, 16, 0])
+def test_frames_must_be_4k_plus_1(tmp_path, frames):
+    write_clip(tmp_path / "a.mp4", 20)
+    with pytest.raises(DatasetError, match="4k\\+1"):
+        load_clip_folder(tmp_path, frames=frames, resolution=64)
+    with pytest.raises(ConfigError, match="frames.*4k\\+1"):
+        load_config("tiny-wan-clip", overrides=dict(frames=frames))
+
+
+def test_clips_for_a_flux2_model_are_refused(tmp_path):
+    write_clip(tmp_path / "a.mp4", 9)
+    with pytest.raises(DatasetError, match=r"holds video clips \(a\.mp4, \.\.\.\), but FLUX\.2 models train on images"):
+        load_folder(tmp_path, "flux2", frames=1, resolution=64)
+    with pytest.raises(ConfigError, match="frames.*tiny-flux2 trains on images"):
+        load_config("tiny-flux2", overrides=dict(frames=5))
+
+
+def test_clips_with_frames_1_ask_for_frames(tmp_path):
+    write_clip(tmp_path / "a.mp4", 9)
+    with pytest.raises(DatasetError, match="holds clips .* but frames is 1; set frames to 4k\\+1"):
+        load_folder(tmp_path, "wan", frames=1, resolution=64)
+
+
+def test_clip_without_caption_is_named(tmp_path):
+    write_clip(tmp_path / "a.mp4", 9, caption=None)
+    with pytest.raises(DatasetError, match=r"clip .*a\.mp4 has no caption file a\.txt"):
+        load_clip_folder(tmp_path, frames=5, resolution=64)
+
+
+def test_frame_folder_problems_are_named(tmp_path):
+    write_frame_folder(tmp_path / "a", 5, name=lambda i: f"{'x' if i == 3 else i}.png")
+    with pytest.raises(DatasetError, match=r"x\.png has no frame number"):
+        load_clip_folder(tmp_path, frames=5, resolution=64)
+    folder = write_frame_folder(tmp_path / "b", 0)
+    Image.new("RGB", (80, 48)).save(folder / "1.png")
+    Image.new("RGB", (64, 48)).save(folder / "2.png")
+    with pytest.raises(DatasetError, match=r"2\.png is 64x48, the frames before it 80x48"):
+        read_frames(folder, 5)
+
+
+# ------------------------------------------------------------------------------ latents
+
+
+def test_stand_in_encoder_compresses_time_like_wan():
+    enc = StandInEncoders(get_spec("tiny-wan"))
+    frames = torch.rand(9, 3, 32, 64) * 2 - 1
+    latent = enc.encode_video(frames)
+    assert latent.shape == (1, 16, 3, 4, 8)
+    torch.testing.assert_close(latent[:, :, :1], enc.encode_images(frames[:1]))      # first frame alone
+    torch.testing.assert_close(latent[:, :, 2:], enc.encode_images(frames[5:9].mean(0, keepdim=True)))
+    with pytest.raises(ValueError, match="4k\\+1"):
+        enc.encode_video(frames[:4])
+
+
+@needs_comfy
+def test_comfyui_wan_vae_encodes_a_clip_along_its_time_axis():
+    """ComfyUI's own Wan 2.1 VAE class (tiny width, random weights) through ComfyEncoders: 9 frames
+    become 3 latent frames, the first of which is the first frame encoded alone (the VAE is causal)."""
+    import comfy_models as cm
+    cm.import_comfy(cm.find_comfyui())
+    import comfy.ldm.wan.vae
+    import comfy.sd
+    from comfy_bridge import ComfyEncoders
+    module = comfy.ldm.wan.vae.WanVAE(dim=8, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
+                                      temperal_downsample=[False, True, True])
+    g = torch.Generator().manual_seed(0)
+    sd = {k: torch.randn(v.shape, generator=g) * 0.1 for k, v in module.state_dict().items()}
+    vae = comfy.sd.VAE(sd=sd)                                   # detected as the Wan 2.1 VAE by its keys
+
+    class TextEncoderUnused:                                    # encode_video never touches the text encoder
+        cond_stage_model = torch.nn.Linear(1, 1)
+    enc = ComfyEncoders(TextEncoderUnused(), vae, "wan")
+    frames = torch.rand(9, 3, 48, 80, generator=g) * 2 - 1
+    with torch.no_grad():
+        latent = enc.encode_video(frames)
+        first = enc.encode_images(frames[:1])
+        decoded = enc.decode(latent)
+    assert latent.shape == (1, 16, 3, 6, 10)
+    torch.testing.assert_close(latent[:, :, :1], first, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(latent[:, :, 1], latent[:, :, 2])
+    assert decoded.shape == (1, 3, 48, 80)                      # a preview: the clip's first frame
+
+
+# ------------------------------------------------------------------------------ training
+
+
+def clip_dataset(root: Path) -> Path:
+    data = root / "clips"
+    data.mkdir()
+    write_clip(data / "bar.mp4", 12, caption="a red bar grows")
+    write_clip(data / "bar_vp9.webm", 9, "libvpx-vp9", caption="a red bar grows, vp9")
+    write_frame_folder(data / "frames", 10, caption="numbered frames of a red bar")
+    Image.fromarray(frame_pixels(3)).save(data / "still.png")                 # an image trains as one frame
+    (data / "still.txt").write_text("a still frame")
+    return data
+
+
+@needs_comfy
+def test_tiny_wan_clip_training_end_to_end(tmp_path):
+    from ugpum.train.loop import train
+    data = clip_dataset(tmp_path)
+    cfg = load_config("tiny-wan-clip", overrides=dict(dataset=str(data), devices=["cpu"], frames=9, steps=12,
+                                                      sample_every=6, trigger="barclip"))
+    result = train(cfg, tmp_path / "out", **QUIET)
+    assert result.steps_done == 12 and all(np.isfinite(result.losses))
+    assert result.validation_after < result.validation_before
+    tensors = load_file(str(result.lora_path))
+    assert {k for k in tensors if k.startswith("diffusion_model.blocks.0.self_attn.q.lora_")} == {
+        "diffusion_model.blocks.0.self_attn.q.lora_A.weight", "diffusion_model.blocks.0.self_attn.q.lora_B.weight"}
+    shapes = sorted(tuple(load_file(str(p))["value"].shape) for p in (tmp_path / "out/cache/latents").iterdir())
+    assert shapes == [(16, 1, 6, 10)] + [(16, 3, 6, 10)] * 3      # the image, then 3 clips of 9 frames
+    with Image.open(result.samples[0]) as preview:
+        assert preview.size == SIZE                               # rendered at the clips' bucket
+    # the same run again is served from the cache; another stride reads other frames: new latents
+    cache = str(tmp_path / "shared_cache")
+    first = train(load_config("tiny-wan-clip", overrides=dict(dataset=str(data), devices=["cpu"], steps=1,
+                                                              sample_every=0, cache_dir=cache)), tmp_path / "a", **QUIET)
+    second = train(load_config("tiny-wan-clip", overrides=dict(dataset=str(data), devices=["cpu"], steps=1,
+                                                               sample_every=0, cache_dir=cache)), tmp_path / "b", **QUIET)
+    strided = train(load_config("tiny-wan-clip", overrides=dict(dataset=str(data), devices=["cpu"], steps=1,
+                                                                sample_every=0, cache_dir=cache, frame_stride=2)),
+                    tmp_path / "c", **QUIET)
+    assert first.cache_misses == 8 and second.cache_misses == 0   # 4 latents + 4 captions
+    assert strided.cache_misses == 3                                              # the 3 clips, not the image
+
+
+@needs_comfy
+def test_cli_trains_a_clip_lora_and_the_plan_states_the_frames(tmp_path, capsys):
+    from ugpum.cli import main
+    data = clip_dataset(tmp_path)
+    out = tmp_path / "run"
+    assert main(["train", "--profile", "tiny-wan-clip", "--dataset", str(data), "--devices", "cpu",
+                 "--frames", "5", "--steps", "2", "--sample-every", "0", "--out", str(out)]) == 0
+    assert (out / "ugpum_lora.safetensors").is_file()
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 2
+    assert json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 2
+    capsys.readouterr()
+    assert main(["plan", "--model", "wan2.1-14b", "--frames", "33", "--resolution", "832x480",
+                 "--gpu", "16GiB", "--gpu", "16GiB"]) == 0
+    first_line = capsys.readouterr().out.splitlines()[0]
+    assert first_line.startswith("wan2.1-14b  832x480, 33 frames (9 latent)  batch 1")

@@ -1,0 +1,235 @@
+"""Training clips for Wan 2.1: video files or folders of numbered frames, each with a caption.
+
+A clip dataset is a folder holding video files (`walk.mp4` + `walk.txt`) and/or sub-folders of
+numbered frame images (`wave/0001.png ...` + `wave.txt`); loose images beside them train as single
+frames. Each clip gives its first `frames` frames (every `stride`-th one from the start), resized and
+centre-cropped to the clip's bucket exactly like an image. Wan's VAE compresses time 4x after the
+first frame, so `frames` must be 4k+1 (1, 5, 17, 33, 81): the latent then has 1 + (frames - 1) / 4
+frames. Videos are decoded with PyAV (`av`, which ComfyUI itself requires).
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from PIL import Image
+
+from .dataset import (IMAGE_EXTENSIONS, DatasetError, ImageItem, Resolution, _check_caption_ext,
+                      _check_positive_int, _check_resolution, _open_rgb, _read_caption, _with_trigger,
+                      choose_bucket, fit_to_bucket, load_image_folder)
+
+VIDEO_EXTENSIONS = (".mp4", ".webm", ".mkv", ".mov")
+
+
+@dataclass
+class ClipItem(ImageItem):
+    """One training clip: `path` is a video file or a folder of numbered frames."""
+    frames: int = 17             # frames taken from the start of the clip (4k+1)
+    stride: int = 1              # take every stride-th frame
+
+
+def latent_frames(frames: int) -> int:
+    """Frames of the Wan VAE latent for `frames` video frames (4x in time after the first)."""
+    return 1 + (frames - 1) // 4
+
+
+def check_frames(frames, where: str) -> int:
+    if isinstance(frames, bool) or not isinstance(frames, int) or frames < 1 or (frames - 1) % 4:
+        raise DatasetError(f"{where}: frames = {frames!r}, but Wan takes 4k+1 frames (1, 5, 17, 33, 81): "
+                           "its VAE packs the first frame alone and every following 4 frames into one")
+    return frames
+
+
+# ---------------------------------------------------------------- finding clips
+
+
+def _is_video(p: Path) -> bool:
+    return p.is_file() and p.suffix.lower() in VIDEO_EXTENSIONS and not p.name.startswith(".")
+
+
+def _frame_images(folder: Path) -> list[Path]:
+    return [p for p in folder.iterdir()
+            if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS and not p.name.startswith(".")]
+
+
+def _is_frame_folder(p: Path) -> bool:
+    return p.is_dir() and not p.name.startswith(".") and bool(_frame_images(p))
+
+
+def list_clips(folder: Path) -> list[Path]:
+    """Video files and frame folders directly inside `folder`, sorted by name."""
+    return sorted(p for p in folder.iterdir() if _is_video(p) or _is_frame_folder(p))
+
+
+def numbered_frames(folder: Path) -> list[Path]:
+    """A frame folder's images in frame order: by the last number in each name (frame_2 before frame_10)."""
+    numbered = []
+    for p in _frame_images(folder):
+        found = re.findall(r"\d+", p.stem)
+        if not found:
+            raise DatasetError(f"frame folder {folder}: {p.name} has no frame number in its name; name the "
+                               "frames 0001.png, 0002.png, ... (any image type) or move the file out")
+        numbered.append((int(found[-1]), p))
+    numbered.sort()
+    for (a, pa), (b, pb) in zip(numbered, numbered[1:]):
+        if a == b:
+            raise DatasetError(f"frame folder {folder}: {pa.name} and {pb.name} are both frame {a}; "
+                               "give every frame its own number")
+    return [p for _, p in numbered]
+
+
+# ---------------------------------------------------------------- decoding
+
+
+def _av():
+    try:
+        import av
+    except ImportError:
+        raise DatasetError("video clips need PyAV: pip install av (ComfyUI installs it)") from None
+    return av
+
+
+def _video_frames(path: Path) -> Iterator[Image.Image]:
+    """Every frame of a video file's first video stream, decoded in order, as RGB."""
+    av = _av()
+    undecodable = (av.FFmpegError, UnicodeDecodeError, ValueError, OSError)
+    advice = "re-encode it (e.g. ffmpeg -i IN -c:v libx264 -pix_fmt yuv420p OUT.mp4) or remove it"
+    try:
+        container = av.open(str(path))
+    except undecodable as error:
+        raise DatasetError(f"cannot open video {path}: {error}; {advice}") from error
+    with container:
+        if not container.streams.video:
+            raise DatasetError(f"video {path} holds no video stream; {advice}")
+        try:
+            for frame in container.decode(video=0):
+                yield frame.to_image().convert("RGB")
+        except undecodable as error:
+            raise DatasetError(f"cannot decode video {path}: {error}; {advice}") from error
+
+
+def _folder_frames(folder: Path) -> Iterator[Image.Image]:
+    size = None
+    for p in numbered_frames(folder):
+        image = _open_rgb(p)
+        if size is not None and image.size != size:
+            raise DatasetError(f"frame folder {folder}: {p.name} is {image.width}x{image.height}, the frames "
+                               f"before it {size[0]}x{size[1]}; give every frame one size")
+        size = image.size
+        yield image
+
+
+def _all_frames(source: Path) -> Iterator[Image.Image]:
+    return _folder_frames(source) if source.is_dir() else _video_frames(source)
+
+
+def read_frames(source: Path, frames: int, stride: int = 1) -> list[Image.Image]:
+    """`frames` frames from the start of a clip (frame 0, stride, 2 stride, ...); DatasetError when the
+    clip is shorter, naming how many frames it has and what to change."""
+    needed = 1 + (frames - 1) * stride
+    taken, count = [], 0
+    with contextlib.closing(_all_frames(source)) as decoded:      # stop decoding (and close the file) early
+        for index, image in enumerate(decoded):
+            count = index + 1
+            if index % stride == 0:
+                taken.append(image)
+            if count == needed:
+                return taken
+    kind = "frame folder" if source.is_dir() else "video"
+    per_clip = f"{frames} frames" + (f" at stride {stride} ({needed} frames)" if stride > 1 else "")
+    fits = [n for n in (81, 65, 49, 33, 17, 9, 5) if 1 + (n - 1) * stride <= count]
+    hint = f"set frames to {fits[0]} or fewer" if fits else "use a longer clip"
+    raise DatasetError(f"{kind} {source} has {count} frame(s), but training takes {per_clip} from its start; "
+                       f"{hint}{', lower the frame stride' if stride > 1 else ''}, or remove the clip")
+
+
+def load_bucketed_clip(item: ClipItem) -> torch.Tensor:
+    """The clip's frames as [T, 3, H, W] in [-1, 1], each scaled and centre-cropped to the bucket."""
+    return torch.stack([fit_to_bucket(f, item.bucket) for f in read_frames(item.path, item.frames, item.stride)])
+
+
+def clip_digest(path: Path) -> bytes:
+    """sha256 of a video file's bytes, or of a frame folder's frame names and bytes in frame order."""
+    h = hashlib.sha256()
+    files = numbered_frames(path) if path.is_dir() else [path]
+    for f in files:
+        if path.is_dir():
+            h.update(f.name.encode() + b"\0")
+        with open(f, "rb") as stream:
+            h.update(hashlib.file_digest(stream, "sha256").digest())
+    return h.digest()
+
+
+# ---------------------------------------------------------------- loading a folder
+
+
+def folder_has_clips(folder: Path) -> bool:
+    return folder.is_dir() and bool(list_clips(folder))
+
+
+def load_clip_folder(
+    folder: Path | str,
+    frames: int,
+    stride: int = 1,
+    caption_ext: str = ".txt",
+    resolution: Resolution = 640,
+    repeats: int = 1,
+    trigger: str = "",
+    batch_size: int = 1,
+) -> list[ImageItem]:
+    """Every clip (video file or frame folder) in `folder`, plus its loose images as single frames.
+
+    A clip's caption is the same-stem caption file beside it (`walk.mp4` / `walk/` -> `walk.txt`).
+    Each clip is read up to the frames it needs now, so a short or broken clip is reported before
+    any training work starts. Its bucket is chosen from its first frame like an image's.
+    """
+    folder = Path(folder)
+    where = f"dataset folder {folder}"
+    frames = check_frames(frames, where)
+    stride = _check_positive_int(stride, "frame stride", where)
+    caption_ext = _check_caption_ext(caption_ext, where)
+    resolution = _check_resolution(resolution, where)
+    repeats = _check_positive_int(repeats, "repeats", where)
+    if not folder.is_dir():
+        raise DatasetError(f"{where} does not exist or is not a folder; check the path")
+    clips = list_clips(folder)
+    if not clips:
+        raise DatasetError(f"{where} holds no clips ({', '.join(VIDEO_EXTENSIONS)} files or folders of "
+                           "numbered frames); put the training clips there")
+    if frames == 1:
+        raise DatasetError(f"{where} holds clips ({clips[0].name}, ...) but frames is 1; set frames to 4k+1 "
+                           "(e.g. 17 or 33) to train on clips, or remove the clips to train on images")
+    items: list[ImageItem] = []
+    for clip in clips:
+        caption_path = clip.with_name(clip.stem + caption_ext) if clip.is_file() else clip.with_name(clip.name + caption_ext)
+        if not caption_path.is_file():
+            raise DatasetError(f"clip {clip} has no caption file {caption_path.name}; "
+                               "add one (it may be empty) or remove the clip")
+        caption = _with_trigger(_read_caption(caption_path), trigger)
+        first = read_frames(clip, frames, stride)[0]
+        bucket = choose_bucket(first.size, resolution)
+        items.extend(ClipItem(clip, caption, bucket, batch_size, frames, stride) for _ in range(repeats))
+    images = [p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS
+              and not p.name.startswith(".")]
+    if images:
+        items += load_image_folder(folder, caption_ext, resolution, repeats, trigger, batch_size=batch_size)
+    return items
+
+
+def load_folder(folder: Path | str, family: str, frames: int = 1, stride: int = 1, **image_settings) -> list[ImageItem]:
+    """A dataset folder for a model family: clips (Wan only) when it holds any, else images."""
+    folder = Path(folder)
+    if folder_has_clips(folder):
+        if family != "wan":
+            clip = list_clips(folder)[0]
+            raise DatasetError(f"dataset folder {folder} holds video clips ({clip.name}, ...), but FLUX.2 models "
+                               "train on images only; train clips on a Wan 2.1 model, or use a folder of images")
+        settings = {k: v for k, v in image_settings.items() if k in ("caption_ext", "resolution", "repeats",
+                                                                     "trigger", "batch_size")}
+        return load_clip_folder(folder, frames, stride, **settings)
+    return load_image_folder(folder, **image_settings)
