@@ -56,7 +56,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from ugpum.bench_cli import (DEFAULT_ALLOC_CONF, GIB, _command_line, _fmt, _real_device, _sync,  # noqa: E402
-                             cap_devices, capped_device, example_inputs, write_random_checkpoint)
+                             add_workload_arguments, cap_devices, capped_device, example_inputs, write_random_checkpoint)
 
 CASES = ("wan_split", "klein_schedules", "mixed_caps", "staged_copies")
 WAN, KLEIN = "wan2.1-14b", "flux2-klein-9b"
@@ -760,12 +760,7 @@ def parse_args(argv=None):
                    help="the two devices: cuda:0,cuda:1; cuda:0,cuda:0 (one-GPU trial); cpu,cpu (smoke run, tiny model)")
     p.add_argument("--model", default="", help=f"one model for every case (default: {WAN} for wan_split, {KLEIN} "
                    "for the others; tiny-flux2 or tiny-wan on cpu)")
-    p.add_argument("--resolution", type=int, default=1024, help="square image side in pixels (Wan: one frame of it)")
-    p.add_argument("--frames", type=int, default=1, help="Wan video frames (4k+1)")
-    p.add_argument("--text-tokens", type=int, default=512)
-    p.add_argument("--rank", type=int, default=16, help="LoRA rank")
-    p.add_argument("--steps", type=int, default=4, help="optimizer steps per configuration, the first --warmup untimed")
-    p.add_argument("--warmup", type=int, default=1)
+    add_workload_arguments(p, steps=4, warmup=1)
     p.add_argument("--cap-gib", type=float, default=16.0, help="wan_split: memory of each card played (GiB)")
     p.add_argument("--wan-micro-batches", type=_ints, default=[1, 4])
     p.add_argument("--wan-schedules", default="auto,1f1b",

@@ -316,17 +316,11 @@ def test_bench_swap_smoke_on_cpu(comfy, tmp_path):
     """The benchmark's whole path on a tiny model without a GPU: both cases, JSON and table."""
     import json
 
-    from ugpum.arch import Workload, get_spec
+    from swap_cap import swap_forcing_cap_gib
+    from ugpum.arch import get_spec
     from ugpum.bench_cli import main
-    from ugpum.devices import host_device
-    from ugpum.plan import _Evaluator, budget_bytes
-    spec = get_spec("tiny-flux2")
-    w = Workload(width=64, height=64, text_tokens=8, checkpointing=True, rank=2)
-    dev = host_device()
-    n = len(spec.blocks)
-    ev = _Evaluator(spec, [dev], w, 1)
-    need = (sum(ev._memory(0, 0, n, ()).values()) + sum(ev._memory(0, 0, n, tuple(range(n))).values())) / 2
-    cap_gib = (dev.free_bytes - budget_bytes(dev) + need) / 2 ** 30
+    n = len(get_spec("tiny-flux2").blocks)
+    cap_gib = swap_forcing_cap_gib()
     args = ["--model", "tiny-flux2", "--device", "cpu", "--resolution", "64", "--text-tokens", "8", "--rank", "2",
             "--cap-gib", repr(cap_gib), "--steps", "2", "--warmup", "1", "--out", str(tmp_path),
             "--ckpt", str(tmp_path / "tiny.safetensors")]

@@ -12,6 +12,7 @@ import json
 import pytest
 import torch
 
+from swap_cap import swap_forcing_cap_gib
 from toy_dit import ToyDiT
 from ugpum.copy import STAGED_ENV, _cuda_copy, _gpu_copy, _staged_copy, staged_copies, staged_copies_enabled
 from ugpum.pipeline import accumulate
@@ -163,20 +164,6 @@ def test_staged_copy_between_two_gpus_is_exact_both_ways():
 # the benchmark on CPU (tiny models): every case, entries, table, errors
 # ------------------------------------------------------------------------------------------
 
-def _swap_forcing_cap_gib() -> float:
-    """A cap with which one CPU "device" must swap some of tiny-flux2's blocks (as test_swap's)."""
-    from ugpum.arch import Workload, get_spec
-    from ugpum.devices import host_device
-    from ugpum.plan import _Evaluator, budget_bytes
-    spec = get_spec("tiny-flux2")
-    w = Workload(width=64, height=64, text_tokens=8, checkpointing=True, rank=2)
-    dev = host_device()
-    n = len(spec.blocks)
-    ev = _Evaluator(spec, [dev], w, 1)
-    need = (sum(ev._memory(0, 0, n, ()).values()) + sum(ev._memory(0, 0, n, tuple(range(n))).values())) / 2
-    return (dev.free_bytes - budget_bytes(dev) + need) / 2 ** 30
-
-
 @pytest.fixture
 def one_intra_op_thread():
     """Tiny models: one intra-op thread is faster, and far faster on a busy machine."""
@@ -200,7 +187,7 @@ FIELDS = ("case", "devices", "caps_gib", "micro_batches", "schedule", "s_per_ste
 
 def test_bench_cpu_smoke_every_case(comfy, tmp_path, one_intra_op_thread):
     from bench.two_gpu import main
-    args = _args(tmp_path, "--cap-gib", repr(_swap_forcing_cap_gib()))
+    args = _args(tmp_path, "--cap-gib", repr(swap_forcing_cap_gib()))
     assert main(args) == 0
     assert not (tmp_path / "ckpt" / "tiny-flux2.safetensors").exists()      # written by the run, then deleted
     entries = json.loads((tmp_path / "out" / "two_gpu.json").read_text())

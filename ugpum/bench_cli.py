@@ -42,15 +42,20 @@ DEFAULT_ALLOC_CONF = "expandable_segments:True"
 # ---------------------------------------------------------------------------------------------
 # command line
 
-def add_swap_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="model id: flux2-klein-9b, wan2.1-14b, flux2-dev, ... (tiny-flux2 with --device cpu)")
-    p.add_argument("--cap-gib", type=float, default=16.0, help="memory of the card to play, GiB (default 16)")
-    p.add_argument("--steps", type=int, default=6, help="training steps per case (the first --warmup are not timed)")
-    p.add_argument("--warmup", type=int, default=2)
+def add_workload_arguments(p: argparse.ArgumentParser, steps: int, warmup: int) -> None:
+    """The training shape and step counts every GPU benchmark takes."""
+    p.add_argument("--steps", type=int, default=steps, help="training steps per case (the first --warmup are not timed)")
+    p.add_argument("--warmup", type=int, default=warmup)
     p.add_argument("--resolution", type=int, default=1024, help="square image side in pixels (Wan: one frame of it)")
     p.add_argument("--frames", type=int, default=1, help="Wan video frames (4k+1)")
     p.add_argument("--text-tokens", type=int, default=512)
     p.add_argument("--rank", type=int, default=16, help="LoRA rank")
+
+
+def add_swap_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="model id: flux2-klein-9b, wan2.1-14b, flux2-dev, ... (tiny-flux2 with --device cpu)")
+    p.add_argument("--cap-gib", type=float, default=16.0, help="memory of the card to play, GiB (default 16)")
+    add_workload_arguments(p, steps=6, warmup=2)
     p.add_argument("--slots", type=int, default=2, help="GPU slots in the swap ring")
     p.add_argument("--out", default="bench/results", help="folder for swap.json / swap.md")
     p.add_argument("--ckpt", default="", help="random-weight checkpoint to use or write "
