@@ -11,6 +11,7 @@ import dataclasses
 import hashlib
 import importlib.metadata
 import importlib.util
+import logging
 import math
 import os
 import shutil
@@ -266,8 +267,8 @@ class ComfyEncoders:
     """ComfyUI's CLIP (text encoder) and VAE as ugpum's `Encoders` (ugpum/train/encoders.py).
 
     A text encoder too large for the first GPU is split over `devices` (specs such as "cuda:0" or
-    "auto", or `Device`s; None: every GPU) from the first caption on, until `release`
-    (ugpum/text_encoder_split.py)."""
+    "auto", or `Device`s; None: every GPU) from the first caption on, until the first image is
+    encoded or `release` (ugpum/text_encoder_split.py)."""
 
     def __init__(self, clip, vae, family: str, devices=None):
         import comfy.latent_formats
@@ -320,12 +321,17 @@ class ComfyEncoders:
             return
         from ugpum.text_encoder_split import gpus_for_caching, split_text_encoder
         self._text_planned = True
-        devices = gpus_for_caching(self.devices)
+        free_comfy_memory()                         # the VAE and anything else ComfyUI holds: the
+        devices = gpus_for_caching(self.devices)    # budgets are measured after
         if not devices:
             return
-        free_comfy_memory()                         # the VAE and anything else ComfyUI holds
         stack = contextlib.ExitStack()
-        if stack.enter_context(split_text_encoder(self.clip, devices)).mode == "split":
+        try:
+            te_plan = stack.enter_context(split_text_encoder(self.clip, devices))
+        except ValueError as e:                     # e.g. a layer layout we do not know: ComfyUI's own path
+            logging.getLogger("ugpum").warning("text encoder left to ComfyUI: %s", e)
+            return
+        if te_plan.mode == "split":
             self._text_split = stack
         else:
             stack.close()                           # fits one GPU, or left to ComfyUI's streaming

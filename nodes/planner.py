@@ -89,10 +89,8 @@ class PartitionPlanner(io.ComfyNode):
     @classmethod
     def execute(cls, model: UGPUMModel, resolution: int, batch: int, grad_accum: int, rank: int,
                 checkpointing: str, frames: int = 1, manual_split: str = "") -> io.NodeOutput:
-        if model.family == "wan" and (frames - 1) % 4:
-            raise UGPUMError(f"{NODE}: Wan takes 4k+1 frames (1, 5, 17, 33, 81), not {frames}.")
-        if model.family != "wan" and frames != 1:
-            raise UGPUMError(f"{NODE}: {model.model_id} trains on images; set frames to 1.")
+        if model.spec.frames_error(frames):
+            raise UGPUMError(f"{NODE}: frames {frames}: {model.spec.frames_error(frames)}.")
         with user_errors(NODE):
             devices = resolve_devices(model)
             split = parse_split(manual_split or "", len(devices), len(model.spec.blocks))

@@ -232,9 +232,7 @@ class LoRATrainer(io.ComfyNode):
                     step, steps, preview=("JPEG", image.convert("RGB"), 512))
                 result = train(cfg, out, encoders=encoders, model=module, key_prefix=model.key_prefix,
                                plan=plan.plan, **hooks)
-        except BaseException as exc:
-            if hasattr(encoders, "release"):    # never leave ComfyUI's CLIP split over the GPUs
-                encoders.release()
+        except BaseException as exc:            # (train() has released the encoders, split or not)
             if is_interruption(exc):          # Cancel: the engine saved <name>_step<N>; list it with the LoRAs
                 partial = sorted(out.glob(f"{cfg.output_name}_step*.safetensors"), key=lambda p: p.stat().st_mtime)
                 if partial:

@@ -136,6 +136,19 @@ def test_clips_for_a_flux2_model_are_refused(tmp_path):
         load_config("tiny-flux2", overrides=dict(frames=5))
 
 
+def test_an_uncaptioned_sub_folder_of_images_is_not_a_clip(tmp_path):
+    for i in range(2):
+        Image.fromarray(frame_pixels(i)).save(tmp_path / f"p{i}.png")
+        (tmp_path / f"p{i}.txt").write_text("a photo")
+    (tmp_path / "raw").mkdir()
+    Image.fromarray(frame_pixels(0)).save(tmp_path / "raw" / "IMG_0001.png")
+    items = load_folder(tmp_path, "flux2", frames=1, resolution=64)
+    assert sorted(i.path.name for i in items) == ["p0.png", "p1.png"]
+    write_frame_folder(tmp_path / "wave", 5)                 # captioned: a clip, refused for FLUX.2
+    with pytest.raises(DatasetError, match=r"holds video clips \(wave, \.\.\.\)"):
+        load_folder(tmp_path, "flux2", frames=1, resolution=64)
+
+
 def test_clips_with_frames_1_ask_for_frames(tmp_path):
     write_clip(tmp_path / "a.mp4", 9)
     with pytest.raises(DatasetError, match="holds clips .* but frames is 1; set frames to 4k\\+1"):

@@ -157,17 +157,22 @@ def cap_devices(limits: dict[str, float]):
     `torch.cuda.set_per_process_memory_fraction`, to play smaller cards; returns the undo. Devices
     that several stages share get one cap (the caller sums them)."""
     capped = []
-    for device, limit in limits.items():
-        index = torch.device(device).index or 0
-        total = torch.cuda.get_device_properties(index).total_memory
-        if limit > total:
-            raise ValueError(f"cap of {limit / GIB:.2f} GiB on {device}: it has only {total / GIB:.2f} GiB")
-        torch.cuda.set_per_process_memory_fraction(limit / total, index)
-        capped.append(index)
 
     def undo():
         for index in capped:
             torch.cuda.set_per_process_memory_fraction(1.0, index)
+
+    try:
+        for device, limit in limits.items():
+            index = torch.device(device).index or 0
+            total = torch.cuda.get_device_properties(index).total_memory
+            if limit > total:
+                raise ValueError(f"cap of {limit / GIB:.2f} GiB on {device}: it has only {total / GIB:.2f} GiB")
+            torch.cuda.set_per_process_memory_fraction(limit / total, index)
+            capped.append(index)
+    except BaseException:
+        undo()                        # no device stays capped by a half-done call
+        raise
     return undo
 
 
@@ -291,7 +296,7 @@ def _earlier_case(path: Path, model: str, args, case: str) -> dict | None:
         entries = json.loads(path.read_text())
     except ValueError:
         return None
-    same = ("cap_gib", "resolution", "frames") + (("slots",) if case == "swap" else ())
+    same = ("cap_gib", "resolution", "frames", "rank", "text_tokens") + (("slots",) if case == "swap" else ())
     for e in reversed(entries if isinstance(entries, list) else []):
         if e.get("model") == model and all(e.get(k) == getattr(args, k) for k in same) and e.get(case) \
                 and (case == "unconstrained" or e.get("offload") == "plan"):
@@ -431,6 +436,8 @@ def run_swap_bench(args) -> int:
     s = results.get("swap")
     if s is None:
         s = _earlier_case(out / "swap.json", spec.id, args, "swap")
+    # "offload": which blocks were swapped; "plan" = the planner's rule (entries recorded before it
+    # changed on 2026-12-03 carry the rule they measured)
     entry = {
         "model": spec.id, "cap_gib": args.cap_gib, "resolution": args.resolution, "frames": args.frames,
         "text_tokens": args.text_tokens, "batch": 1, "rank": args.rank, "checkpointing": "block",

@@ -55,13 +55,11 @@ def spec_for(model: str):
 
 def run_plan(args) -> int:
     spec = spec_for(args.model)
-    for name in ("frames", "batch", "grad_accum", "rank"):
+    for name in ("batch", "grad_accum", "rank"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
-    if spec.family == "wan" and (args.frames - 1) % 4:
-        raise UsageError(f"--frames {args.frames}: Wan takes 4k+1 frames (1, 5, 17, 33, 81)")
-    if spec.family == "flux2" and args.frames != 1:
-        raise UsageError("--frames: FLUX.2 trains on images; leave --frames at 1")
+    if spec.frames_error(args.frames):
+        raise UsageError(f"--frames {args.frames}: {spec.frames_error(args.frames)}")
     w = Workload(width=args.resolution[0], height=args.resolution[1], frames=args.frames, batch=args.batch,
                  checkpointing=args.checkpointing == "block", weight_dtype=args.dtype, rank=args.rank)
     devices = parse_device_specs(args.gpu)

@@ -285,7 +285,8 @@ def dataset_hash(items: Iterable) -> str:
     """A sha256 hex digest of the images' (and clips') bytes and their captions.
 
     Items are anything with `.path` and `.caption`. The order of items and the file names
-    do not matter; contents, captions and how often each pair occurs (repeats) do.
+    do not matter (except the names inside a frame folder, which order its frames); contents,
+    captions and how often each pair occurs (repeats) do.
     """
     image_digests: dict[Path, str] = {}
     entries = []

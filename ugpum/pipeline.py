@@ -216,7 +216,9 @@ class _Threads:
         self._count = 0
         self._lock = threading.Lock()
 
-    def submit(self, job: Callable[[], None]) -> None:
+    def submit(self, job: Callable[[Callable[[], None]], None]) -> None:
+        """Run `job(give_back)` on an idle thread (a new one if none); the job calls `give_back()` as
+        soon as its thread may take the next job (at the latest, when it returns)."""
         try:
             jobs = self._idle.get_nowait()
         except queue.Empty:
@@ -230,10 +232,16 @@ class _Threads:
     def _serve(self, jobs: queue.SimpleQueue) -> None:
         while True:
             job = jobs.get()
+            given: list[bool] = []
+
+            def give_back():
+                if not given:
+                    given.append(True)
+                    self._idle.put(jobs)
             try:
-                job()
+                job(give_back)
             finally:
-                self._idle.put(jobs)
+                give_back()
 
 
 _THREADS = _Threads()
@@ -259,7 +267,7 @@ class _Worker:
         self.started = True
         _THREADS.submit(self._main)
 
-    def _main(self) -> None:
+    def _main(self, give_back: Callable[[], None]) -> None:
         self.go.acquire()
         _current.worker = self
         try:
@@ -277,6 +285,7 @@ class _Worker:
         finally:
             self.finished = True
             _current.worker = None
+            give_back()                 # before the scheduler goes on: the next forward reuses this thread
             self.done.release()
 
     def pause(self) -> None:

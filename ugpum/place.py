@@ -132,13 +132,17 @@ def place(model: nn.Module, layout: Layout, checkpoint: str | Path | None = None
     placement.original_devices[""] = _device_of_module(model)
     for path in units:
         placement.original_devices[path] = _device_of_module(model.get_submodule(path))
-    if checkpoint is not None:
-        from .stream_load import fill_from_file
-        fill_from_file(model, storage, Path(checkpoint), key_prefix, dtype)
-    else:
-        _move_own(model, torch.device(layout.first), rest_skip)
-        for path in units:
-            model.get_submodule(path).to(torch.device(storage.device_of(path)))
+    try:
+        if checkpoint is not None:
+            from .stream_load import fill_from_file
+            fill_from_file(model, storage, Path(checkpoint), key_prefix, dtype)
+        else:
+            _move_own(model, torch.device(layout.first), rest_skip)
+            for path in units:
+                model.get_submodule(path).to(torch.device(storage.device_of(path)))
+    except BaseException:             # e.g. out of memory half-way: what moved goes back
+        placement.undo()
+        raise
     router.reset_each_call(model)
     router.route_into(model, layout.first)
     for path in units:

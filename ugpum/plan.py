@@ -72,7 +72,7 @@ class _Evaluator:
         self.extra = [cost.block_peak_extra_bytes(spec, b, w) for b in spec.blocks]
         # embedders and modulations are matrices, held like the blocks (1 byte each in fp8)
         self.head = spec.head_params * WEIGHT_BYTES[w.weight_dtype] + w.batch * w.text_tokens * spec.context_dim * ACT_BYTES
-        self.tail = spec.tail_params * 2
+        self.tail = spec.tail_params * WEIGHT_BYTES[w.weight_dtype]
         self.stage = lru_cache(maxsize=None)(self._stage)
 
     def _memory(self, k: int, a: int, b: int, offloaded: tuple[int, ...]) -> dict[str, float]:

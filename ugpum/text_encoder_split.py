@@ -272,7 +272,7 @@ def split_text_encoder(text_encoder, devices: list[Device], tokens: int = DEFAUL
     """Spread the encoder's layers over `devices` for the `with` block (a no-op when it fits the first
     device or cannot fit them all); yields the `TextEncoderPlan`. `text_encoder` is a ComfyUI CLIP
     object (its `cond_stage_model` is split) or the encoder module itself. `slots` replaces the
-    budgets measured from `devices` (tests, forecasts)."""
+    budgets measured from `devices` (tests, the bench script)."""
     module = getattr(text_encoder, "cond_stage_model", text_encoder)
     sizes = EncoderSizes.from_module(module, tokens)
     te_plan = plan_text_encoder(sizes, slots if slots is not None else slots_for_devices(devices))

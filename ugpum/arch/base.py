@@ -65,6 +65,13 @@ class ArchSpec:
     def head_dim(self) -> int:
         return self.hidden // self.heads
 
+    def frames_error(self, frames: int) -> str:
+        """Why `frames` per sample cannot be trained on this model ('' when it can)."""
+        if self.family != "wan":
+            return "" if frames == 1 else f"{self.id} trains on images (frames 1); video frames need a Wan 2.1 model"
+        # Wan's VAE encodes the first frame alone and every next 4 into one latent frame
+        return "" if frames >= 1 and (frames - 1) % 4 == 0 else "Wan takes 4k+1 frames (1, 5, 17, 33, 81)"
+
     # --- shapes of one step -------------------------------------------------------------------
     def image_tokens(self, w: Workload) -> int:
         if self.family == "wan":

@@ -42,7 +42,6 @@ class TextEncoderArch:
     vocab: int
     lm_head: bool = False       # an output head ComfyUI builds beside the embedding
     qk_norm: bool = False       # Qwen3: RMSNorm on queries and keys per head
-    taps: tuple[int, ...] = ()  # hidden states ComfyUI hands the DiT (empty: the last layer)
     tokens: int = 512           # what a caption is padded to (the FLUX.2 context; umT5's min length)
 
     def layer_params(self) -> int:
@@ -77,11 +76,11 @@ class TextEncoderArch:
 
 ARCHS: dict[str, TextEncoderArch] = {a.id: a for a in (
     TextEncoderArch("qwen3-4b", "Qwen3-4B", "llama", layers=36, hidden=2560, ffn=9728, heads=32, kv_heads=8,
-                    head_dim=128, vocab=151936, qk_norm=True, taps=(9, 18, 27)),
+                    head_dim=128, vocab=151936, qk_norm=True),
     TextEncoderArch("qwen3-8b", "Qwen3-8B", "llama", layers=36, hidden=4096, ffn=12288, heads=32, kv_heads=8,
-                    head_dim=128, vocab=151936, lm_head=True, qk_norm=True, taps=(9, 18, 27)),
+                    head_dim=128, vocab=151936, lm_head=True, qk_norm=True),
     TextEncoderArch("mistral-small-3-24b", "Mistral Small 3.x 24B", "llama", layers=40, hidden=5120, ffn=32768,
-                    heads=32, kv_heads=8, head_dim=128, vocab=131072, taps=(10, 20, 30)),
+                    heads=32, kv_heads=8, head_dim=128, vocab=131072),
     TextEncoderArch("umt5-xxl", "umT5-XXL", "t5", layers=24, hidden=4096, ffn=10240, heads=64, kv_heads=64,
                     head_dim=64, vocab=256384),
 )}

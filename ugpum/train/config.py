@@ -17,7 +17,7 @@ class ConfigError(ValueError):
 class TrainConfig:
     model: str = "tiny-flux2"             # model id (see `python -m ugpum plan --help`)
     model_file: str = ""                  # the DiT .safetensors; empty: random weights (tiny models only)
-    dataset: str = ""                     # image folder, or a musubi-tuner dataset .toml
+    dataset: str = ""                     # image or clip (Wan) folder, or a musubi-tuner dataset .toml
     trigger: str = ""                     # prepended to every caption
     resolution: int = 1024
     frames: int = 1                       # Wan clips: 4k+1 frames from each clip's start
@@ -63,9 +63,8 @@ class TrainConfig:
                 raise ConfigError(f"setting '{name}' = {getattr(self, name)!r}: {what}")
         need(self.model in model_ids(), "model", f"unknown model; known: {', '.join(model_ids())}")
         need(self.resolution >= 16 and self.resolution % 16 == 0, "resolution", "must be a multiple of 16")
-        need(self.frames >= 1 and (self.frames - 1) % 4 == 0, "frames", "must be 4k+1 (1, 5, 17, 33, ...)")
-        need(self.frames == 1 or get_spec(self.model).family == "wan", "frames",
-             f"{self.model} trains on images; video frames need a Wan 2.1 model")
+        frames_error = get_spec(self.model).frames_error(self.frames)
+        need(not frames_error, "frames", frames_error)
         need(self.frame_stride >= 1, "frame_stride", "must be at least 1")
         for name in ("repeats", "steps", "grad_accum", "rank"):
             need(getattr(self, name) >= 1, name, "must be at least 1")

@@ -201,17 +201,19 @@ def train(cfg: TrainConfig, out: str | Path, encoders: Encoders | None = None, m
                                 "on random weights")
         encoders = StandInEncoders(spec)
     cache = FeatureCache(cfg.cache_dir or out / "cache", encoders)
-    latents = [cache.latent(item) for item in items]
-    rng = random.Random(cfg.seed)
-    captions = [caption_dropout(item.caption, cfg.caption_dropout, rng) for item in items]
-    contexts = [cache.text(c) for c in captions]
-    if cfg.sample_every:
-        prompt = cache.text(cfg.sample_prompt or items[0].caption)
-        negative = cache.text("")
+    try:
+        latents = [cache.latent(item) for item in items]
+        rng = random.Random(cfg.seed)
+        captions = [caption_dropout(item.caption, cfg.caption_dropout, rng) for item in items]
+        contexts = [cache.text(c) for c in captions]
+        if cfg.sample_every:
+            prompt = cache.text(cfg.sample_prompt or items[0].caption)
+            negative = cache.text("")
+    finally:                                         # text encoder and VAE leave the GPUs before the DiT
+        release_encoders = getattr(encoders, "release", None)     # (and a split encoder on failure)
+        if release_encoders:
+            release_encoders()
     log(f"features: {len(items)} items, cache {cache.hits} hit(s), {cache.misses} computed")
-    release_encoders = getattr(encoders, "release", None)
-    if release_encoders:
-        release_encoders()                           # text encoder and VAE leave the GPUs before the DiT
 
     # 2. plan, then the placed model with its LoRA
     if plan is None:

@@ -10,6 +10,7 @@ frames. Videos are decoded with PyAV (`av`, which ComfyUI itself requires).
 from __future__ import annotations
 
 import contextlib
+import glob
 import hashlib
 import re
 from dataclasses import dataclass
@@ -58,7 +59,10 @@ def _frame_images(folder: Path) -> list[Path]:
 
 
 def _is_frame_folder(p: Path) -> bool:
-    return p.is_dir() and not p.name.startswith(".") and bool(_frame_images(p))
+    """A sub-folder of images with a caption beside it (`wave/` + `wave.txt`): an uncaptioned
+    sub-folder (raw photos, rejects) is not a clip and is ignored as before."""
+    return (p.is_dir() and not p.name.startswith(".") and bool(_frame_images(p))
+            and any(q.is_file() for q in p.parent.glob(glob.escape(p.name) + ".*")))
 
 
 def list_clips(folder: Path) -> list[Path]:
@@ -142,8 +146,8 @@ def read_frames(source: Path, frames: int, stride: int = 1) -> list[Image.Image]
                 return taken
     kind = "frame folder" if source.is_dir() else "video"
     per_clip = f"{frames} frames" + (f" at stride {stride} ({needed} frames)" if stride > 1 else "")
-    fits = [n for n in (81, 65, 49, 33, 17, 9, 5) if 1 + (n - 1) * stride <= count]
-    hint = f"set frames to {fits[0]} or fewer" if fits else "use a longer clip"
+    fits = 1 + (max(count - 1, 0) // stride) // 4 * 4                 # the most 4k+1 frames it holds
+    hint = f"set frames to {fits} or fewer" if fits >= 5 else "use a longer clip"
     raise DatasetError(f"{kind} {source} has {count} frame(s), but training takes {per_clip} from its start; "
                        f"{hint}{', lower the frame stride' if stride > 1 else ''}, or remove the clip")
 
@@ -212,7 +216,10 @@ def load_clip_folder(
                                "add one (it may be empty) or remove the clip")
         caption = _with_trigger(_read_caption(caption_path), trigger)
         first = read_frames(clip, frames, stride)[0]
-        bucket = choose_bucket(first.size, resolution)
+        try:
+            bucket = choose_bucket(first.size, resolution)
+        except ValueError as error:
+            raise DatasetError(f"clip {clip}: {error}; use a larger clip") from error
         items.extend(ClipItem(clip, caption, bucket, batch_size, frames, stride) for _ in range(repeats))
     images = [p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS
               and not p.name.startswith(".")]
