@@ -56,7 +56,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from ugpum.bench_cli import (DEFAULT_ALLOC_CONF, GIB, _command_line, _fmt, _real_device, _sync,  # noqa: E402
-                             add_workload_arguments, cap_devices, capped_device, example_inputs, write_random_checkpoint)
+                             add_workload_arguments, cap_devices, capped_device, example_inputs,
+                             lora_training_setup, write_random_checkpoint)
 
 CASES = ("wan_split", "klein_schedules", "mixed_caps", "staged_copies")
 WAN, KLEIN = "wan2.1-14b", "flux2-klein-9b"
@@ -353,12 +354,9 @@ def execute_run(run: Run, args, ckpt: Path, command: str) -> list[dict]:
 def measure(run: Run, args, spec, w, placed, ckpt: Path, prefix: str, resolved, variants, gpus) -> Measured:
     """Stream the model onto the devices by `placed`, add LoRA, and time each variant round by round."""
     from comfy_bridge import build_meta, comfy_training_mode
-    from ugpum.checkpointing import checkpoint_blocks
     from ugpum.copy import staged_copies
-    from ugpum.inplace_guard import guard_inplace_residuals
     from ugpum.pipeline import accumulate
     from ugpum.swap import place_by_plan
-    from ugpum.train.lora import attach_lora, lora_targets
 
     def sync():
         for d in gpus:
@@ -377,12 +375,7 @@ def measure(run: Run, args, spec, w, placed, ckpt: Path, prefix: str, resolved, 
     try:
         swaps = list(getattr(placement, "swaps", []))
         layout = placement.layout
-        block_paths = [b.path for b in spec.blocks]
-        guards = guard_inplace_residuals(model, include_rms=False)
-        undo_ckpt = checkpoint_blocks(model, block_paths)
-        lora = attach_lora(model, lora_targets(block_paths, [b.linears for b in spec.blocks]),
-                           rank=w.rank, alpha=float(w.rank))
-        params = [p for _, a in lora.items() for p in a.parameters()]
+        guards, undo_ckpt, lora, params = lora_training_setup(model, spec, w)
         with torch.no_grad():              # B != 0: every adapter gets a gradient (checked by grad_checks)
             for _, a in lora.items():
                 a.B.normal_(0.0, 1e-3)

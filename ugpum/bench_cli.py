@@ -176,15 +176,26 @@ def cap_devices(limits: dict[str, float]):
     return undo
 
 
+def lora_training_setup(model, spec, w):
+    """What every GPU bench trains: FLUX.2's in-place guard, per-block checkpointing and LoRA of rank
+    `w.rank` on every block linear. Returns (guards, undo checkpointing, the LoRA set, its parameters)."""
+    from .checkpointing import checkpoint_blocks
+    from .inplace_guard import guard_inplace_residuals
+    from .train.lora import attach_lora, lora_targets
+    block_paths = [b.path for b in spec.blocks]
+    guards = guard_inplace_residuals(model, include_rms=False)
+    undo_ckpt = checkpoint_blocks(model, block_paths)
+    lora = attach_lora(model, lora_targets(block_paths, [b.linears for b in spec.blocks]),
+                       rank=w.rank, alpha=float(w.rank))
+    return guards, undo_ckpt, lora, [p for _, a in lora.items() for p in a.parameters()]
+
+
 def run_case(spec, plan, ckpt: Path, prefix: str, w, args, swap: bool) -> dict:
     """Place by `plan` (swapping its offloaded blocks when `swap`), train, measure, tear down."""
     from comfy_bridge import build_meta, comfy_training_mode
 
-    from .checkpointing import checkpoint_blocks
-    from .inplace_guard import guard_inplace_residuals
     from .place import place
     from .swap import place_with_swap, swap_plan
-    from .train.lora import attach_lora, lora_targets
 
     stages = [s.torch_device for s in plan.stages]
     device = stages[0]
@@ -202,12 +213,7 @@ def run_case(spec, plan, ckpt: Path, prefix: str, w, args, swap: bool) -> dict:
         placed, swaps = place(model, layout, checkpoint=ckpt, key_prefix=prefix), []
     load_s = time.perf_counter() - t0
     load_peak = torch.cuda.max_memory_allocated(device) / GIB if cuda else None
-    block_paths = [b.path for b in spec.blocks]
-    guards = guard_inplace_residuals(model, include_rms=False)
-    undo_ckpt = checkpoint_blocks(model, block_paths)
-    lora = attach_lora(model, lora_targets(block_paths, [b.linears for b in spec.blocks]),
-                       rank=w.rank, alpha=float(w.rank))
-    params = [p for _, a in lora.items() for p in a.parameters()]
+    guards, undo_ckpt, lora, params = lora_training_setup(model, spec, w)
     opt = torch.optim.AdamW(params, lr=1e-4)
     x, t, ctx = example_inputs(spec, w, device)
     if cuda:
