@@ -228,7 +228,8 @@ def load_clip_folder(
     return items
 
 
-def load_folder(folder: Path | str, family: str, frames: int = 1, stride: int = 1, **image_settings) -> list[ImageItem]:
+def load_folder(folder: Path | str, family: str, frames: int = 1, stride: int = 1, resolution: Resolution = 1024,
+                repeats: int = 1, trigger: str = "") -> list[ImageItem]:
     """A dataset folder for a model family: clips (Wan only) when it holds any, else images."""
     folder = Path(folder)
     if folder_has_clips(folder):
@@ -236,7 +237,5 @@ def load_folder(folder: Path | str, family: str, frames: int = 1, stride: int = 
             clip = list_clips(folder)[0]
             raise DatasetError(f"dataset folder {folder} holds video clips ({clip.name}, ...), but FLUX.2 models "
                                "train on images only; train clips on a Wan 2.1 model, or use a folder of images")
-        settings = {k: v for k, v in image_settings.items() if k in ("caption_ext", "resolution", "repeats",
-                                                                     "trigger", "batch_size")}
-        return load_clip_folder(folder, frames, stride, **settings)
-    return load_image_folder(folder, **image_settings)
+        return load_clip_folder(folder, frames, stride, resolution=resolution, repeats=repeats, trigger=trigger)
+    return load_image_folder(folder, resolution=resolution, repeats=repeats, trigger=trigger)
