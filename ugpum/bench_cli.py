@@ -35,6 +35,8 @@ from pathlib import Path
 
 import torch
 
+from .arch.base import latent_frames
+
 GIB = 1024 ** 3
 DEFAULT_ALLOC_CONF = "expandable_segments:True"
 
@@ -118,7 +120,7 @@ def write_random_checkpoint(spec, path: Path, device: str) -> float:
 
 def example_inputs(spec, w, device: str):
     if spec.family == "wan":
-        x = torch.randn(w.batch, 16, 1 + (w.frames - 1) // 4, w.height // 8, w.width // 8, device=device)
+        x = torch.randn(w.batch, 16, latent_frames(w.frames), w.height // 8, w.width // 8, device=device)
     else:
         x = torch.randn(w.batch, 128, w.height // 16, w.width // 16, device=device)
     ctx = torch.randn(w.batch, w.text_tokens, spec.context_dim, device=device)

@@ -7,6 +7,7 @@ import os
 import sys
 
 from .arch import UnknownModel, Workload, get_spec
+from .arch.base import latent_frames
 from .devices import parse_device_specs
 from .bench_cli import add_bench_parser, run_bench
 from .doctor import add_doctor_parser, run_doctor
@@ -79,7 +80,7 @@ def _block_range(paths: list[str], a: int, b: int) -> str:
 
 def format_plan(plan) -> str:
     w = plan.workload
-    clip = f", {w['frames']} frames ({1 + (w['frames'] - 1) // 4} latent)" if w["frames"] > 1 else ""
+    clip = f", {w['frames']} frames ({latent_frames(w['frames'])} latent)" if w["frames"] > 1 else ""
     lines = [f"{plan.model}  {w['width']}x{w['height']}{clip}"
              + f"  batch {w['batch']}  grad-accum {plan.grad_accum}  rank {w['rank']}  {w['weight_dtype']}"
              + f"  checkpointing {'block' if w['checkpointing'] else 'none'}", ""]

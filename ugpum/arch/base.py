@@ -7,6 +7,11 @@ WEIGHT_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1, "fp32": 4}
 ACT_BYTES = 2  # activations run in bf16 (autocast) on the GPU
 
 
+def latent_frames(frames: int) -> int:
+    """Frames of the Wan VAE latent for `frames` video frames: the first alone, then 4 per latent frame."""
+    return 1 + (frames - 1) // 4
+
+
 @dataclass(frozen=True)
 class LinearSpec:
     """A LoRA target: a Linear inside a block, path relative to the block."""
@@ -75,8 +80,7 @@ class ArchSpec:
     # --- shapes of one step -------------------------------------------------------------------
     def image_tokens(self, w: Workload) -> int:
         if self.family == "wan":
-            latent_frames = 1 + (w.frames - 1) // 4          # VAE: 4x temporal
-            return latent_frames * (w.height // 16) * (w.width // 16)  # 8x VAE, 2x2 patch
+            return latent_frames(w.frames) * (w.height // 16) * (w.width // 16)  # 8x VAE, 2x2 patch
         return (w.height // 16) * (w.width // 16)            # FLUX.2: 16x after 2x2 patchify
 
     def stream_tokens(self, w: Workload) -> int:

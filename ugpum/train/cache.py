@@ -13,10 +13,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from ..arch.base import latent_frames
 from ..atomic import atomic_path
 from .dataset import ImageItem, load_bucketed_image
 from .encoders import Encoders
-from .video import ClipItem, clip_digest, latent_frames, load_bucketed_clip
+from .video import ClipItem, clip_digest, load_bucketed_clip
 
 
 class FeatureCache:

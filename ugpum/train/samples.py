@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ..arch.base import ArchSpec
+from ..arch.base import ArchSpec, latent_frames
 from .sampler import SAMPLING_DEFAULTS, SamplingDefaults, comfy_noise, flux2_model_fn, sample, wan_model_fn
 
 
@@ -25,7 +25,7 @@ def guidance_for(spec: ArchSpec, setting: float | None) -> float | None:
 
 def latent_shape(spec: ArchSpec, width: int, height: int, frames: int = 1) -> tuple[int, ...]:
     if spec.family == "wan":
-        return (1, 16, 1 + (frames - 1) // 4, height // 8, width // 8)
+        return (1, 16, latent_frames(frames), height // 8, width // 8)
     return (1, 128, height // 16, width // 16)
 
 

@@ -34,11 +34,6 @@ class ClipItem(ImageItem):
     stride: int = 1              # take every stride-th frame
 
 
-def latent_frames(frames: int) -> int:
-    """Frames of the Wan VAE latent for `frames` video frames (4x in time after the first)."""
-    return 1 + (frames - 1) // 4
-
-
 def check_frames(frames, where: str) -> int:
     if isinstance(frames, bool) or not isinstance(frames, int) or frames < 1 or (frames - 1) % 4:
         raise DatasetError(f"{where}: frames = {frames!r}, but Wan takes 4k+1 frames (1, 5, 17, 33, 81): "
