@@ -138,10 +138,11 @@ def test_preset_for_cuda_names():
     assert devices.preset_for_name("NVIDIA GeForce RTX 4090 D") is None
 
 
-# --- detection on this machine (no GPU) -----------------------------------------------------
+# --- detection on a machine without a GPU ------------------------------------------------------
 
 
-def test_detect_without_cuda_is_empty():
+def test_detect_without_cuda_is_empty(monkeypatch):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     assert devices.detect_devices() == []
     assert devices.detect_devices(probe=False) == []
     assert devices.peer_access_matrix() == []

@@ -26,6 +26,8 @@ def fake_comfyui(tmp_path, monkeypatch):
 
 @pytest.fixture
 def no_gpu(monkeypatch):
+    """As a machine without a GPU looks (also when the tests run on one)."""
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     monkeypatch.setattr(devices, "detect_devices", lambda probe=True: [])
     monkeypatch.setattr(devices, "peer_access_matrix", lambda: [])
 
