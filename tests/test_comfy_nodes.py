@@ -4,6 +4,7 @@ as sentences, and every bundled workflow only uses nodes and widget values the s
 from __future__ import annotations
 
 import json
+import os
 import struct
 import time
 from pathlib import Path
@@ -250,6 +251,9 @@ def test_trainer_writes_a_lora_comfyui_lists(server):
                                   width=256, height=256, lora=["3", 0], strength=1.0, before_and_after=True)}
     entry = server.run(prompt, timeout=300)
     assert_success(entry, server)
+    on_gpu = os.environ.get("UGPUM_TEST_COMFYUI_GPU") == "1"          # ComfyUI started without --cpu
+    plan_rows = ui_text(entry, "2").split("\ndevice ", 1)[1].splitlines()[2:]        # under the header and its rule
+    assert plan_rows[0].startswith("cuda:0" if on_gpu else "cpu"), ui_text(entry, "2")
     previews = entry["outputs"]["4"]["images"]
     assert len(previews) == 2                                   # before and after, same seed
     saved = server.base / "models" / "loras" / "ugpum" / "tiny_loranne.safetensors"
