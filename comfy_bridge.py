@@ -310,8 +310,8 @@ class ComfyEncoders:
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         images = self.vae.decode(self.latent_format.process_out(latents.float()))
-        if images.ndim == 5:                                                  # video: first frame
-            images = images[:, 0]
+        if images.ndim == 5:                       # video [B,T,H,W,C]: its frames, as VAEDecode gives them
+            images = images.reshape(-1, *images.shape[-3:])
         return (images.float() * 2 - 1).movedim(-1, 1).cpu()
 
     def _split_text_encoder(self) -> None:

@@ -33,6 +33,10 @@ class SamplePreview(io.ComfyNode):
                                      "[klein], 50 for base models)."),
                 io.Int.Input("width", default=1024, min=256, max=4096, step=16),
                 io.Int.Input("height", default=1024, min=256, max=4096, step=16),
+                io.Int.Input("frames", default=0, min=0, max=161, optional=True,
+                             tooltip="Wan: frames of the clip (4k+1: 1, 17, 33, 81); 0: the plan's frames. "
+                                     "Every frame is an image of the output batch (connect it to Create "
+                                     "Video or Save Animated WEBP). FLUX.2: 0 or 1."),
                 LORA_MODEL.Input("lora", optional=True, tooltip="A LoRA from the UGPUM LoRA Trainer."),
                 io.Float.Input("strength", default=1.0, min=-10.0, max=10.0, step=0.05, optional=True,
                                tooltip="LoRA strength."),
@@ -43,16 +47,20 @@ class SamplePreview(io.ComfyNode):
                 io.Vae.Input("vae", optional=True, tooltip="Stock VAELoader (needed for every real model)."),
             ],
             outputs=[io.Image.Output("IMAGE", display_name="images",
-                                     tooltip="One image, or before and after when a LoRA is connected.")],
+                                     tooltip="One image (or a clip's frames), then the same with the LoRA "
+                                             "when one is connected and before and after is on.")],
         )
 
     @classmethod
     def execute(cls, model: UGPUMModel, plan: UGPUMPlan, prompt: str, seed: int, steps: int,
-                width: int, height: int, lora=None, strength: float = 1.0,
+                width: int, height: int, frames: int = 0, lora=None, strength: float = 1.0,
                 before_and_after: bool = True, clip=None, vae=None) -> io.NodeOutput:
         if plan.model.path != model.path:
             raise UGPUMError(f"{NODE}: the plan was made for {plan.model.file_name}, not {model.file_name}; "
                              "connect the same UGPUM Loader to the Partition Planner and this node.")
+        frames = frames or plan.workload.frames
+        if model.spec.frames_error(frames):
+            raise UGPUMError(f"{NODE}: frames = {frames}: {model.spec.frames_error(frames)}.")
         from ugpum.preview import render_on_plan
         from ugpum.report import to_pil
 
@@ -68,6 +76,7 @@ class SamplePreview(io.ComfyNode):
             module = build_meta_model(model.spec, dtype)
             images = render_on_plan(model.spec, plan.plan, module, str(model.path), model.key_prefix, dtype,
                                     encoders.decode, positive, negative, width, height, seed % 2**63, steps,
-                                    lora_tensors=lora, strength=strength, before_and_after=before_and_after)
-        batch = pil_to_image([to_pil(i) for i in images])
+                                    lora_tensors=lora, strength=strength, before_and_after=before_and_after,
+                                    frames=frames)
+        batch = pil_to_image([to_pil(frame) for sample in images for frame in sample])
         return io.NodeOutput(batch, ui=ui.PreviewImage(batch, cls=cls))

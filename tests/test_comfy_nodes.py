@@ -18,6 +18,7 @@ from comfy_models import flux2_state_dict_keys, wan_state_dict_keys
 WORKFLOWS = sorted((REPO / "example_workflows").glob("*.json"))
 WAN14B_FP8_FILE = "wan2.1_t2v_14B_fp8_scaled.safetensors"     # header only, sparse (workflow server)
 TINY_FILE = "tiny-flux2.safetensors"
+TINY_WAN_FILE = "tiny-wan.safetensors"
 KLEIN_BASE_FILE = "flux-2-klein-base-9b-fp8.safetensors"      # header only, sparse
 WAN_FILE = "wan2.1_t2v_1.3B_fp16.safetensors"                  # header only; its encoders are absent
 KLEIN_FILE = "flux-2-klein-9b-fp8.safetensors"                # header only, sparse
@@ -45,7 +46,7 @@ NODE_CONTRACT = {
     "UGPUMSamplePreview": dict(
         required={"model": "UGPUM_MODEL", "plan": "UGPUM_PLAN",
                   "prompt": "STRING", "seed": "INT", "steps": "INT", "width": "INT", "height": "INT"},
-        optional={"lora": "LORA_MODEL", "strength": "FLOAT", "before_and_after": "BOOLEAN",
+        optional={"frames": "INT", "lora": "LORA_MODEL", "strength": "FLOAT", "before_and_after": "BOOLEAN",
                   "clip": "CLIP", "vae": "VAE"},
         outputs=[("IMAGE", "images")], output_node=True),
 }
@@ -60,13 +61,13 @@ def _file_key(key: str) -> str:
     return key
 
 
-def write_tiny_flux2(path: Path, dtype: torch.dtype = torch.float32, seed: int = 0) -> None:
-    """A real-format tiny FLUX.2 file: ComfyUI's own module's state dict, seeded random values."""
+def write_tiny(path: Path, model_id: str = "tiny-flux2", dtype: torch.dtype = torch.float32, seed: int = 0) -> None:
+    """A real-format tiny model file: ComfyUI's own module's state dict, seeded random values."""
     from comfy_bridge import build_meta, init_random
     from ugpum.arch import get_spec
     from ugpum.safetensors_writer import write_streaming
 
-    module = build_meta(get_spec("tiny-flux2"), torch.float32).to_empty(device="cpu")
+    module = build_meta(get_spec(model_id), torch.float32).to_empty(device="cpu")
     init_random(module, seed)
     tensors = {_file_key(k): v for k, v in module.state_dict().items()}
     shapes = {k: (tuple(v.shape), dtype if v.is_floating_point() else v.dtype) for k, v in tensors.items()}
@@ -96,7 +97,8 @@ def klein9b_fp8_header() -> dict[str, tuple[str, tuple[int, ...]]]:
 
 
 def prepare_models(models: Path, input_dir: Path) -> None:
-    write_tiny_flux2(models / "diffusion_models" / TINY_FILE)
+    write_tiny(models / "diffusion_models" / TINY_FILE)
+    write_tiny(models / "diffusion_models" / TINY_WAN_FILE, "tiny-wan")
     write_header_only(models / "diffusion_models" / KLEIN_BASE_FILE, klein9b_fp8_header())
     write_header_only(models / "diffusion_models" / KLEIN_FILE, klein9b_fp8_header())
     write_header_only(models / "diffusion_models" / WAN_FILE,
@@ -266,6 +268,25 @@ def test_trainer_writes_a_lora_comfyui_lists(server):
     assert len((run / "metrics.jsonl").read_text().splitlines()) == 2
     lora_list = server.get_json("/models/loras")       # what every LoRA loader lists
     assert "ugpum/tiny_loranne.safetensors" in lora_list
+
+
+def test_sample_preview_renders_a_wan_clip_as_frames(server):
+    """frames 0 takes the plan's 4k+1 frames; every frame is an image of the output batch."""
+    def preview(frames: int) -> dict:
+        return {"1": loader(TINY_WAN_FILE), "2": planner(["1", 0], resolution=256, rank=4, frames=5),
+                "3": {"class_type": "UGPUMSamplePreview",
+                      "inputs": dict(model=["1", 0], plan=["2", 0], prompt="a red bar grows", seed=3, steps=2,
+                                     width=256, height=256, frames=frames)}}
+    entry = server.run(preview(0), timeout=120)
+    assert_success(entry, server)
+    frames = entry["outputs"]["3"]["images"]
+    assert len(frames) == 5 and len({f["filename"] for f in frames}) == 5
+    from PIL import Image
+    pictures = [Image.open(server.base / "temp" / f["subfolder"] / f["filename"]) for f in frames]
+    assert {p.size for p in pictures} == {(256, 256)}
+    assert pictures[0].tobytes() != pictures[1].tobytes()            # latent frame 0 is frame 0 alone
+    error = execution_error(server.run(preview(3), timeout=60))
+    assert error and "frames = 3: Wan takes 4k+1 frames" in error["exception_message"], error
 
 
 def test_cancel_during_training_saves_a_loadable_lora(server):

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from PIL import Image
+from PIL import Image, ImageSequence
 from safetensors.torch import load_file
 
 from comfy_bridge import find_comfyui
@@ -186,6 +186,22 @@ def test_stand_in_encoder_compresses_time_like_wan():
         enc.encode_video(frames[:4])
 
 
+def test_stand_in_decoder_gives_a_clips_frames():
+    """A clip's latent decodes to 4k+1 frames (ComfyUI's VAEDecode batch): frame 0 from latent frame 0,
+    then each later latent frame for the four frames it stands for."""
+    enc = StandInEncoders(get_spec("tiny-wan"))
+    frames = torch.rand(9, 3, 32, 64) * 2 - 1
+    latent = enc.encode_video(frames)
+    decoded = enc.decode(latent)
+    assert decoded.shape == frames.shape
+    torch.testing.assert_close(decoded[:1], enc.decode(latent[:, :, 0]))
+    for i in range(1, 5):
+        torch.testing.assert_close(decoded[i], decoded[1])
+    assert not torch.equal(decoded[0], decoded[1]) and not torch.equal(decoded[4], decoded[5])
+    with pytest.raises(ValueError, match="one clip"):
+        enc.decode(latent.repeat(2, 1, 1, 1, 1))
+
+
 @needs_comfy
 def test_comfyui_wan_vae_encodes_a_clip_along_its_time_axis():
     """ComfyUI's own Wan 2.1 VAE class (tiny width, random weights) through ComfyEncoders: 9 frames
@@ -209,10 +225,12 @@ def test_comfyui_wan_vae_encodes_a_clip_along_its_time_axis():
         latent = enc.encode_video(frames)
         first = enc.encode_images(frames[:1])
         decoded = enc.decode(latent)
+        first_decoded = enc.decode(first)
     assert latent.shape == (1, 16, 3, 6, 10)
     torch.testing.assert_close(latent[:, :, :1], first, rtol=1e-4, atol=1e-4)
     assert not torch.allclose(latent[:, :, 1], latent[:, :, 2])
-    assert decoded.shape == (1, 3, 48, 80)                      # a preview: the clip's first frame
+    assert decoded.shape == (9, 3, 48, 80)                      # the clip's frames, as VAEDecode batches them
+    assert first_decoded.shape == (1, 3, 48, 80)
 
 
 # ------------------------------------------------------------------------------ training
@@ -245,6 +263,13 @@ def test_tiny_wan_clip_training_end_to_end(tmp_path):
     assert shapes == [(16, 1, 6, 10)] + [(16, 3, 6, 10)] * 3      # the image, then 3 clips of 9 frames
     with Image.open(result.samples[0]) as preview:
         assert preview.size == SIZE                               # rendered at the clips' bucket
+    with Image.open(result.samples[-1].with_suffix(".webp")) as clip:    # the whole sampled clip, at 16 fps
+        durations = []
+        for frame in ImageSequence.Iterator(clip):
+            frame.load()                                  # Pillow reads a frame's duration with its pixels
+            durations.append(frame.info["duration"])
+        assert clip.size == SIZE and clip.is_animated      # (WebP merges the stand-in's repeated frames)
+        assert sum(durations) == 9 * round(1000 / 16)
     # the same run again is served from the cache; another stride reads other frames: new latents
     cache = str(tmp_path / "shared_cache")
     first = train(load_config("tiny-wan-clip", overrides=dict(dataset=str(data), devices=["cpu"], steps=1,

@@ -1,5 +1,6 @@
-"""Render prompts on a model placed by a plan, optionally with a LoRA at a strength: the engine
-behind the Sample Preview node. Before/after uses the same seed with the LoRA at 0 and at strength."""
+"""Render prompts (images, or Wan clips) on a model placed by a plan, optionally with a LoRA at a
+strength: the engine behind the Sample Preview node. Before/after uses the same seed with the LoRA at
+0 and at strength."""
 from __future__ import annotations
 
 import torch
@@ -27,9 +28,12 @@ def attach_lora_tensors(model, tensors: dict[str, torch.Tensor]) -> LoraSet:
 def render_on_plan(spec: ArchSpec, plan, model, model_file: str, key_prefix: str, weight_dtype, decode,
                    positive: torch.Tensor, negative: torch.Tensor | None, width: int, height: int,
                    seed: int, steps: int = 0, lora_tensors: dict | None = None, strength: float = 1.0,
-                   before_and_after: bool = True) -> list[torch.Tensor]:
-    """Images ([3,H,W] in [-1,1]): without and with the LoRA, or just one. The model (built on meta,
-    streamed from `model_file`) is placed for the call and released afterwards."""
+                   before_and_after: bool = True, frames: int = 1) -> list[torch.Tensor]:
+    """Samples ([T,3,H,W] in [-1,1]; T = `frames` for a Wan clip, else 1): without and with the LoRA,
+    or just one. The model (built on meta, streamed from `model_file`) is placed for the call and
+    released afterwards."""
+    if spec.frames_error(frames):
+        raise ValueError(f"frames = {frames}: {spec.frames_error(frames)}")
     on_meta = any(p.is_meta for p in model.parameters())
     placement = place_by_plan(model, plan, spec.tail_modules, model_file, key_prefix, weight_dtype)
     lora = attach_lora_tensors(model, lora_tensors) if lora_tensors else None
@@ -39,7 +43,7 @@ def render_on_plan(spec: ArchSpec, plan, model, model_file: str, key_prefix: str
         for s in strengths:
             if lora:
                 lora.set_strength(s)
-            images.append(render(model, spec, decode, positive, negative, width, height, seed, steps))
+            images.append(render(model, spec, decode, positive, negative, width, height, seed, steps, frames))
         return images
     finally:
         if lora:

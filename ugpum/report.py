@@ -39,6 +39,15 @@ def to_pil(pixels: torch.Tensor) -> Image.Image:
     return Image.fromarray(arr)
 
 
+WAN_FPS = 16        # Wan 2.1's frame rate (ComfyUI's Wan templates save at 16)
+
+
+def save_animation(frames: list[Image.Image], path, fps: int = WAN_FPS) -> None:
+    """An endlessly looping animated WebP (Pillow writes it; browsers and ComfyUI show it)."""
+    frames[0].save(path, format="WEBP", save_all=True, append_images=frames[1:], duration=round(1000 / fps),
+                   loop=0, lossless=False, quality=90)
+
+
 def grid(rows: list[tuple[str, list[Image.Image]]], cell: int = 256) -> Image.Image:
     """Labelled rows of images, e.g. [("before", [...]), ("after", [...])]."""
     cols = max(len(images) for _, images in rows)

@@ -22,7 +22,8 @@ class Encoders(Protocol):
     def encode_images(self, pixels: torch.Tensor) -> torch.Tensor: ...   # [B,3,H,W] in [-1,1]
     def encode_video(self, frames: torch.Tensor) -> torch.Tensor: ...    # one clip [T,3,H,W] -> [1,C,T',h,w]
     def encode_text(self, captions: list[str]) -> torch.Tensor: ...      # [B,L,C]
-    def decode(self, latents: torch.Tensor) -> torch.Tensor: ...         # -> [B,3,H,W] in [-1,1]
+    def decode(self, latents: torch.Tensor) -> torch.Tensor: ...         # -> [B,3,H,W] in [-1,1]; a
+    # clip's latent [1,C,T',h,w] -> its frames [T,3,H,W], as ComfyUI's VAEDecode batches them
 
 
 class StandInEncoders:
@@ -57,8 +58,12 @@ class StandInEncoders:
         return latent                                                   # [1, 16, T', h, w]
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        z = latents[:, :, 0] if latents.dim() == 5 else latents
-        pixels = torch.einsum("bchw,pc->bphw", z.float() / 2.0, self.project)
+        if latents.dim() == 5:                    # one clip: latent frame 0 is frame 0, each later one
+            if latents.shape[0] != 1:             # stands for the four frames it was averaged from
+                raise ValueError(f"decode takes one clip's latent [1,C,T',h,w], got {tuple(latents.shape)}")
+            frames = self.decode(latents[0].movedim(1, 0))
+            return torch.cat([frames[:1], frames[1:].repeat_interleave(4, dim=0)])
+        pixels = torch.einsum("bchw,pc->bphw", latents.float() / 2.0, self.project)
         return F.pixel_shuffle(pixels, self.factor).clamp(-1, 1)
 
     def _word(self, word: str) -> torch.Tensor:

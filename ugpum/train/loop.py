@@ -22,7 +22,7 @@ from ..inplace_guard import guard_inplace_residuals
 from ..lora_file import dataset_hash, lora_metadata, save_lora
 from ..pipeline import accumulate, best_schedule, in_flight
 from ..swap import place_by_plan
-from ..report import grid, to_pil
+from ..report import grid, save_animation, to_pil
 from ..plan import Plan, make_plan
 from .cache import FeatureCache
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -261,15 +261,19 @@ def train(cfg: TrainConfig, out: str | Path, encoders: Encoders | None = None, m
     log(f"validation loss before: {validation_before:.4f}")
     samples: list[Path] = []
 
-    # clips preview at the first clip's bucket (e.g. 832x480), showing the sampled clip's first frame
+    # clips preview at the first clip's bucket (e.g. 832x480): the first frame as PNG (the before/after
+    # grid, the node's preview) and the whole sampled clip as an animated WebP beside it
     sample_w, sample_h = next((i.bucket for i in items if isinstance(i, ClipItem)), (cfg.resolution,) * 2)
 
     def take_sample(at: int) -> None:
-        pixels = render(model, spec, encoders.decode, prompt, negative, sample_w, sample_h,
-                        cfg.sample_seed, cfg.sample_steps, cfg.frames, cfg.guidance)
-        image = to_pil(pixels)
+        frames = [to_pil(f) for f in render(model, spec, encoders.decode, prompt, negative, sample_w, sample_h,
+                                            cfg.sample_seed, cfg.sample_steps, cfg.frames, cfg.guidance)]
+        image = frames[0]
         path = out / "samples" / f"step_{at:05d}.png"
         path.parent.mkdir(exist_ok=True)
+        if len(frames) > 1:
+            with atomic_path(path.with_suffix(".webp")) as tmp:
+                save_animation(frames, tmp)
         with atomic_path(path) as tmp:
             image.save(tmp, format="PNG")
         samples.append(path)

@@ -33,12 +33,12 @@ def latent_shape(spec: ArchSpec, width: int, height: int, frames: int = 1) -> tu
 def render(model, spec: ArchSpec, decode, positive: torch.Tensor, negative: torch.Tensor | None,
            width: int, height: int, seed: int, steps: int = 0, frames: int = 1,
            guidance: float | None = None) -> torch.Tensor:
-    """One image ([3,H,W] in [-1,1]; a clip's first frame) from `positive` ([L,C] text context).
-    `guidance`: FLUX.2 dev's guidance input (see `guidance_for`)."""
+    """The frames [T,3,H,W] in [-1,1] of one sample from `positive` ([L,C] text context): T = 1 for an
+    image, `frames` for a Wan clip. `guidance`: FLUX.2 dev's guidance input (see `guidance_for`)."""
     defaults = sampling_defaults(spec)
     fn = wan_model_fn(model) if spec.family == "wan" else flux2_model_fn(model, guidance_for(spec, guidance))
     noise = comfy_noise(latent_shape(spec, width, height, frames), seed)
     cfg = defaults.cfg if negative is not None else 1.0
     latent = sample(fn, noise, positive[None], None if cfg == 1.0 else negative[None],
                     steps=steps or defaults.steps, cfg=cfg)
-    return decode(latent)[0]
+    return decode(latent)
