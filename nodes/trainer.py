@@ -100,7 +100,7 @@ def make_encoders(model: UGPUMModel, clip, vae, devices=None):
 
 def make_config(model: UGPUMModel, plan: UGPUMPlan, dataset: Path, trigger_word: str, steps: int,
                 learning_rate: float, alpha: float, seed: int, sample_prompt: str, sample_every: int,
-                save_name: str):
+                save_name: str, frame_stride: int = 1):
     """The one TrainConfig (ugpum/train/config.py) from the node's inputs and the plan."""
     from ugpum.train.config import load_config
     w = plan.workload
@@ -115,7 +115,7 @@ def make_config(model: UGPUMModel, plan: UGPUMPlan, dataset: Path, trigger_word:
     weight_dtype = {"fp16": "bf16"}.get(model.weight_dtype, model.weight_dtype)
     return load_config(overrides=dict(
         model=model.model_id, model_file=model.path, dataset=str(dataset), trigger=trigger_word.strip(),
-        resolution=w.width, frames=w.frames, steps=steps, grad_accum=plan.grad_accum, lr=learning_rate,
+        resolution=w.width, frames=w.frames, frame_stride=frame_stride, steps=steps, grad_accum=plan.grad_accum, lr=learning_rate,
         rank=w.rank, alpha=alpha, seed=seed % 2**32, checkpointing=w.checkpointing, weight_dtype=weight_dtype,
         devices=devices, sample_every=sample_every, sample_prompt=sample_prompt.strip(),
         output_name=save_name.strip().removesuffix(".safetensors")))
@@ -182,6 +182,9 @@ class LoRATrainer(io.ComfyNode):
                               tooltip="The model's text encoder (CLIPLoader, type flux2 for FLUX.2, wan for "
                                       "Wan 2.1). Needed for every real model."),
                 io.Vae.Input("vae", optional=True, tooltip="The model's VAE (FLUX.2 VAE for FLUX.2)."),
+                io.Int.Input("frame_stride", default=1, min=1, max=16, optional=True, display_name="frame stride",
+                             tooltip="Wan clips: take every Nth frame from a clip's start (2: half the frame "
+                                     "rate, twice the time span; a clip then needs 1 + (frames-1) x N frames)."),
             ],
             outputs=[
                 LORA_MODEL.Output("LORA_MODEL", display_name="lora",
@@ -197,7 +200,7 @@ class LoRATrainer(io.ComfyNode):
     @classmethod
     def execute(cls, model: UGPUMModel, plan: UGPUMPlan, dataset: str, trigger_word: str, steps: int,
                 learning_rate: float, alpha: float, seed: int, sample_prompt: str, sample_every: int,
-                save_name: str, clip=None, vae=None) -> io.NodeOutput:
+                save_name: str, clip=None, vae=None, frame_stride: int = 1) -> io.NodeOutput:
         import comfy.model_management as mm
         import comfy.utils
         from comfy_bridge import comfy_training_mode
@@ -214,7 +217,7 @@ class LoRATrainer(io.ComfyNode):
         out = run_folder(save_name)
         with user_errors(NODE):
             cfg = make_config(model, plan, data, trigger_word, steps, learning_rate, alpha, seed,
-                              sample_prompt, sample_every, save_name)
+                              sample_prompt, sample_every, save_name, frame_stride)
             encoders = make_encoders(model, clip, vae, cfg.devices)
         bar = comfy.utils.ProgressBar(steps)
         t_start = time.perf_counter()
@@ -242,6 +245,7 @@ class LoRATrainer(io.ComfyNode):
         lora = comfy.utils.load_torch_file(str(dest), safe_load=True)
         curve = pil_to_image([loss_curve(result.losses)])
         samples = _samples_image(result.samples)
-        summary = (f"saved {lora_name}: {result.steps_done} steps, validation loss "
+        steps_done = f"{result.steps_done} step{'' if result.steps_done == 1 else 's'}"
+        summary = (f"saved {lora_name}: {steps_done}, validation loss "
                    f"{result.validation_before:.4f} -> {result.validation_after:.4f}; run folder {out}")
         return io.NodeOutput(lora, lora_name, curve, samples, ui=ui.PreviewText(summary))

@@ -40,7 +40,7 @@ NODE_CONTRACT = {
         required={"model": "UGPUM_MODEL", "plan": "UGPUM_PLAN", "dataset": "COMBO", "trigger_word": "STRING",
                   "steps": "INT", "learning_rate": "FLOAT", "alpha": "FLOAT", "seed": "INT",
                   "sample_prompt": "STRING", "sample_every": "INT", "save_name": "STRING"},
-        optional={"clip": "CLIP", "vae": "VAE"},
+        optional={"clip": "CLIP", "vae": "VAE", "frame_stride": "INT"},
         outputs=[("LORA_MODEL", "lora"), ("STRING", "lora file"), ("IMAGE", "loss curve"),
                  ("IMAGE", "before / after")], output_node=True),
     "UGPUMSamplePreview": dict(
@@ -287,6 +287,23 @@ def test_sample_preview_renders_a_wan_clip_as_frames(server):
     assert pictures[0].tobytes() != pictures[1].tobytes()            # latent frame 0 is frame 0 alone
     error = execution_error(server.run(preview(3), timeout=60))
     assert error and "frames = 3: Wan takes 4k+1 frames" in error["exception_message"], error
+
+
+def test_trainer_takes_every_nth_clip_frame(server):
+    """The Trainer's frame stride reaches the dataset: the demo clips hold 33 frames, enough for 17
+    frames at stride 2 (1 + 16 x 2), not at stride 3, and the error says which clip and what to do."""
+    def clip_training(save_name: str, stride: int) -> dict:
+        return {"1": loader(TINY_WAN_FILE), "2": planner(["1", 0], resolution=64, rank=4, frames=17),
+                "3": trainer(save_name, 1, dataset="demo/loranne_clips", frame_stride=stride)}
+    entry = server.run(clip_training("tiny_stride2", 2), timeout=300)
+    assert_success(entry, server)
+    assert "saved ugpum/tiny_stride2.safetensors: 1 step," in ui_text(entry, "3")
+    error = execution_error(server.run(clip_training("tiny_stride3", 3), timeout=300))
+    assert error, "stride 3 needs 49 frames of 33-frame clips"
+    message = error["exception_message"]
+    assert "loranne_clip_01.mp4" in message and "17 frames at stride 3 (49 frames)" in message, message
+    assert "lower the frame stride" in message, message
+    assert not (server.base / "models" / "loras" / "ugpum" / "tiny_stride3.safetensors").exists()
 
 
 def test_cancel_during_training_saves_a_loadable_lora(server):
