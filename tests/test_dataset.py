@@ -16,9 +16,9 @@ from ugpum.train.dataset import (
     choose_bucket,
     load_bucketed_image,
     load_image_folder,
-    load_musubi_toml,
     resolve_inside,
 )
+from ugpum.train.musubi_toml import load_musubi_toml
 
 
 def make_image(path: Path, size=(64, 48), color=(200, 30, 30), caption: str | None = "a photo"):
@@ -314,8 +314,12 @@ def test_toml_musubi_defaults_are_960x544_without_buckets(tmp_path):
         ('[[datasets]]\nimage_directory = "img"\nresolution = [512]\n', "resolution"),
         ('[[datasets]]\nimage_directory = "img"\nshuffle_captions = true\n', "unknown key 'shuffle_captions'"),
         ('[general]\nimage_directory = "img"\n[[datasets]]\nimage_directory = "img"\n', "unknown key 'image_directory'"),
-        ('[[datasets]]\nvideo_directory = "vids"\n', "'video_directory' is not supported"),
-        ('[[datasets]]\nnum_repeats = 1\n', "image_directory is missing"),
+        ('[[datasets]]\nvideo_directory = "vids"\n', "video_directory trains Wan 2.1 models only"),
+        ('[[datasets]]\nimage_directory = "img"\nvideo_directory = "img"\n', "both image_directory and video_directory"),
+        ('[[datasets]]\nimage_directory = "img"\ntarget_frames = [17]\n', "target_frames only apply to a video_directory"),
+        ('[[datasets]]\nimage_jsonl_file = "m.jsonl"\n', "'image_jsonl_file': metadata JSONL files are not supported"),
+        ('[[datasets]]\nimage_directory = 3\n', "image_directory must be the path of a folder"),
+        ('[[datasets]]\nnum_repeats = 1\n', "image_directory or video_directory is missing"),
         ('[general]\nresolution = 512\n', "at least one \\[\\[datasets\\]\\]"),
         ('[extra]\nx = 1\n[[datasets]]\nimage_directory = "img"\n', "unknown section 'extra'"),
         ('[[datasets]\nimage_directory = "img"\n', "not valid TOML"),

@@ -16,6 +16,7 @@ from ugpum.arch import get_spec
 from ugpum.train.config import ConfigError, load_config
 from ugpum.train.dataset import DatasetError
 from ugpum.train.encoders import StandInEncoders
+from ugpum.train.musubi_toml import load_musubi_toml
 from ugpum.train.video import ClipItem, load_bucketed_clip, load_clip_folder, load_folder, read_frames
 
 av = pytest.importorskip("av")
@@ -281,6 +282,69 @@ def test_tiny_wan_clip_training_end_to_end(tmp_path):
                     tmp_path / "c", **QUIET)
     assert first.cache_misses == 8 and second.cache_misses == 0   # 4 latents + 4 captions
     assert strided.cache_misses == 3                                              # the 3 clips, not the image
+
+
+# ------------------------------------------------------------------------------ musubi-tuner TOML
+
+def video_toml(root: Path, body: str) -> Path:
+    clips = root / "clips"
+    clips.mkdir(parents=True)
+    write_clip(clips / "bar.mp4", 20, caption="a red bar grows")
+    write_frame_folder(clips / "wave", 20)
+    Image.fromarray(frame_pixels(0)).save(clips / "still.png")        # an image_directory's business
+    config = root / "clips.toml"
+    config.write_text('[general]\nresolution = [96, 64]\n\n[[datasets]]\nvideo_directory = "clips"\n' + body)
+    return config
+
+
+def test_musubi_video_dataset_gives_each_clips_head_per_target_frames(tmp_path):
+    config = video_toml(tmp_path, "target_frames = [1, 9]\nsource_fps = 32.0\nnum_repeats = 2\n")
+    items = load_musubi_toml(config, family="wan", frames=9)
+    bucket = (96, 64)                                     # musubi's default: no bucketing, the resolution
+    assert [(i.path.name, i.frames, i.stride, i.bucket) for i in items] == (
+        [("bar.mp4", 1, 2, bucket)] * 2 + [("wave", 1, 2, bucket)] * 2 + [("bar.mp4", 9, 2, bucket)] * 2
+        + [("wave", 9, 2, bucket)] * 2)                   # 32 fps: every 2nd frame, Wan's 16 fps
+    pixels = load_bucketed_clip(items[4])
+    levels = [float(((f[1] + 1) * 127.5).mean()) for f in pixels]      # green channel: 20 + 10 i
+    assert [round((g - 20) / 10) for g in levels] == list(range(0, 17, 2))
+    # without target_frames: the run's frames; without source_fps: the run's stride
+    (bar, wave) = load_musubi_toml(video_toml(tmp_path / "b", ""), family="wan", frames=5, stride=3)
+    assert (bar.frames, bar.stride, wave.frames) == (5, 3, 5)
+
+
+@pytest.mark.parametrize("body, message", [
+    ("target_frames = [13]\n", "target_frames holds 13, more than the 9 frames this run is planned for; set frames to 13"),
+    ("target_frames = [8]\n", "4k\\+1"),
+    ("target_frames = 17\n", "target_frames must be a list"),
+    ('frame_extraction = "chunk"\n', "frame_extraction = 'chunk': UGPUM takes each clip's first frames"),
+    ("frame_stride = 2\n", "'frame_stride': it belongs to a frame_extraction other than \"head\""),
+    ("max_frames = 45\n", "'max_frames': it belongs"),
+    ("source_fps = 30.0\n", "source_fps = 30 is not a whole multiple of Wan's 16 fps"),
+    ("source_fps = 8.0\n", "source_fps must be a frame rate of at least 16"),
+    ('video_jsonl_file = "m.jsonl"\n', "'video_jsonl_file': metadata JSONL files are not supported"),
+])
+def test_musubi_video_dataset_problems_name_the_toml_and_the_fix(tmp_path, body, message):
+    config = video_toml(tmp_path, body)
+    with pytest.raises(DatasetError, match=message) as caught:
+        load_musubi_toml(config, family="wan", frames=9)
+    assert "clips.toml [[datasets]] #1" in str(caught.value)
+
+
+def test_musubi_video_dataset_needs_a_wan_model(tmp_path):
+    with pytest.raises(DatasetError, match="video_directory trains Wan 2.1 models only; this run's model is flux2"):
+        load_musubi_toml(video_toml(tmp_path, ""), family="flux2", frames=1)
+
+
+@needs_comfy
+def test_tiny_wan_trains_on_a_musubi_video_toml(tmp_path):
+    from ugpum.train.loop import train
+    config = video_toml(tmp_path, "target_frames = [1, 5]\n")
+    cfg = load_config("tiny-wan-clip", overrides=dict(dataset=str(config), devices=["cpu"], frames=5, steps=4,
+                                                      sample_every=0))
+    result = train(cfg, tmp_path / "out", **QUIET)
+    assert result.steps_done == 4 and all(np.isfinite(result.losses))
+    shapes = sorted(tuple(load_file(str(p))["value"].shape) for p in (tmp_path / "out/cache/latents").iterdir())
+    assert shapes == [(16, 1, 8, 12)] * 2 + [(16, 2, 8, 12)] * 2   # each clip's first frame, and its first 5
 
 
 @needs_comfy

@@ -1,7 +1,7 @@
 """Training images and captions: the musubi-tuner convention, aspect-ratio buckets, pixels.
 
 A dataset is a folder of images, each with a same-stem caption file (`cat.png` + `cat.txt`),
-or a musubi-tuner dataset TOML listing such folders. Every image is assigned a bucket: a
+or a musubi-tuner dataset TOML listing such folders (musubi_toml.py). Every image is assigned a bucket: a
 (width, height) of multiples of 16 (VAE 8x times 2x2 patchify) whose area is about the
 training resolution squared, so batches of one bucket share a shape and nothing is squashed.
 """
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import random
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -184,6 +183,23 @@ def _check_caption_ext(value, where: str) -> str:
     return value
 
 
+def fixed_bucket(resolution: Resolution, where: str) -> tuple[int, int]:
+    """The one size every picture is cropped to without bucketing (musubi-tuner's enable_bucket = false)."""
+    size = resolution if isinstance(resolution, tuple) else (resolution, resolution)
+    if any(side % BUCKET_STEP for side in size):
+        raise DatasetError(f"{where}: without bucketing, resolution {size} must be multiples of {BUCKET_STEP}")
+    return size
+
+
+def bucket_for(size: tuple[int, int], resolution: Resolution, no_upscale: bool, what: str) -> tuple[int, int]:
+    """`choose_bucket` with the picture (`what`: "image PATH", "clip PATH") named when it is too small."""
+    try:
+        return choose_bucket(size, resolution, no_upscale=no_upscale)
+    except ValueError as error:
+        kind = what.split(" ", 1)[0]
+        raise DatasetError(f"{what}: {error}; use a larger {kind}") from error
+
+
 # ---------------------------------------------------------------- loading a folder
 
 
@@ -217,11 +233,7 @@ def load_image_folder(
             f"{where} holds no images ({', '.join(IMAGE_EXTENSIONS)}); put the training images there"
         )
 
-    fixed_size = resolution if isinstance(resolution, tuple) else (resolution, resolution)
-    if not enable_bucket and any(side % BUCKET_STEP for side in fixed_size):
-        raise DatasetError(
-            f"{where}: without bucketing, resolution {fixed_size} must be multiples of {BUCKET_STEP}"
-        )
+    fixed = None if enable_bucket else fixed_bucket(resolution, where)
 
     items = []
     for image_path in image_paths:
@@ -232,89 +244,8 @@ def load_image_folder(
                 f"add one (it may be empty) or remove the image"
             )
         caption = _with_trigger(_read_caption(caption_path), trigger)
-        size = _open_rgb(image_path).size
-        if not enable_bucket:
-            bucket = fixed_size
-        else:
-            try:
-                bucket = choose_bucket(size, resolution, no_upscale=bucket_no_upscale)
-            except ValueError as error:
-                raise DatasetError(f"image {image_path}: {error}; use a larger image") from error
+        bucket = fixed or bucket_for(_open_rgb(image_path).size, resolution, bucket_no_upscale, f"image {image_path}")
         items.extend(ImageItem(image_path, caption, bucket, batch_size) for _ in range(repeats))
-    return items
-
-
-# ---------------------------------------------------------------- musubi-tuner TOML
-
-_TOML_KEYS = {"caption_extension", "resolution", "batch_size", "num_repeats", "enable_bucket", "bucket_no_upscale"}
-_DATASET_ONLY_KEYS = {"image_directory"}
-_IGNORED_KEYS = {"cache_directory", "debug_dataset"}  # musubi's own cache and debug view; not ours
-_UNSUPPORTED_KEYS = {
-    "image_jsonl_file", "video_directory", "video_jsonl_file", "control_directory",
-    "target_frames", "frame_extraction", "frame_stride", "frame_sample", "max_frames", "source_fps",
-}
-_DEFAULTS = {
-    "caption_extension": ".txt", "resolution": (960, 544), "batch_size": 1, "num_repeats": 1,
-    "enable_bucket": False, "bucket_no_upscale": False,
-}
-
-
-def _check_table_keys(table: dict, allowed: set[str], where: str) -> None:
-    for key in table:
-        if key in _UNSUPPORTED_KEYS:
-            raise DatasetError(f"{where}: {key!r} is not supported in UGPUM's dataset TOML (images only); "
-                               "remove it, and train clips from a folder dataset with the frames setting")
-        if key not in allowed | _IGNORED_KEYS:
-            raise DatasetError(
-                f"{where}: unknown key {key!r}; allowed keys are {', '.join(sorted(allowed))}"
-            )
-
-
-def load_musubi_toml(path: Path | str, trigger: str = "") -> list[ImageItem]:
-    """Items of every [[datasets]] entry of a musubi-tuner dataset TOML, in order.
-
-    [general] sets defaults that each dataset may override. Defaults follow musubi-tuner:
-    resolution [960, 544], no bucketing. A relative image_directory is taken from the TOML's folder.
-    """
-    path = Path(path)
-    try:
-        config = tomllib.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError as error:
-        raise DatasetError(f"dataset config {path} does not exist; check the path") from error
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
-        raise DatasetError(f"dataset config {path} is not valid TOML: {error}") from error
-
-    for key in config:
-        if key not in ("general", "datasets"):
-            raise DatasetError(f"dataset config {path}: unknown section {key!r}; use [general] and [[datasets]]")
-    general = config.get("general", {})
-    datasets = config.get("datasets", [])
-    if not isinstance(general, dict):
-        raise DatasetError(f"dataset config {path}: [general] must be a table")
-    if not isinstance(datasets, list) or not datasets or not all(isinstance(d, dict) for d in datasets):
-        raise DatasetError(f"dataset config {path}: needs at least one [[datasets]] table with image_directory")
-    _check_table_keys(general, _TOML_KEYS, f"dataset config {path} [general]")
-
-    items = []
-    for index, dataset in enumerate(datasets):
-        where = f"dataset config {path} [[datasets]] #{index + 1}"
-        _check_table_keys(dataset, _TOML_KEYS | _DATASET_ONLY_KEYS, where)
-        settings = {**_DEFAULTS, **general, **dataset}
-        directory = settings.get("image_directory")
-        if not isinstance(directory, str) or not directory:
-            raise DatasetError(f"{where}: image_directory is missing; set it to the image folder")
-        caption_ext = _check_caption_ext(settings["caption_extension"], where)
-        resolution = _check_resolution(settings["resolution"], where)
-        items += load_image_folder(
-            path.parent / directory,  # an absolute directory replaces the base
-            caption_ext=caption_ext,
-            resolution=resolution,
-            repeats=_check_positive_int(settings["num_repeats"], "num_repeats", where),
-            trigger=trigger,
-            enable_bucket=_check_bool(settings["enable_bucket"], "enable_bucket", where),
-            bucket_no_upscale=_check_bool(settings["bucket_no_upscale"], "bucket_no_upscale", where),
-            batch_size=_check_positive_int(settings["batch_size"], "batch_size", where),
-        )
     return items
 
 

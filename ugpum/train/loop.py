@@ -27,7 +27,8 @@ from ..plan import Plan, make_plan
 from .cache import FeatureCache
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainConfig
-from .dataset import ImageItem, caption_dropout, load_musubi_toml
+from .dataset import ImageItem, caption_dropout
+from .musubi_toml import load_musubi_toml
 from .encoders import Encoders, StandInEncoders
 from .flow import flow_loss, flux2_image_seq_len, noisy, sample_timesteps
 from .lora import LoraSet, attach_lora, lora_targets
@@ -60,9 +61,10 @@ class TrainResult:
 
 def load_items(cfg: TrainConfig) -> list[ImageItem]:
     path = Path(cfg.dataset)
+    family = get_spec(cfg.model).family
     if path.suffix == ".toml":
-        return load_musubi_toml(path, trigger=cfg.trigger)
-    return load_folder(path, get_spec(cfg.model).family, frames=cfg.frames, stride=cfg.frame_stride,
+        return load_musubi_toml(path, cfg.trigger, family, cfg.frames, cfg.frame_stride)
+    return load_folder(path, family, frames=cfg.frames, stride=cfg.frame_stride,
                        resolution=cfg.resolution, repeats=cfg.repeats, trigger=cfg.trigger)
 
 

@@ -22,7 +22,7 @@ from PIL import Image
 
 from .dataset import (IMAGE_EXTENSIONS, DatasetError, ImageItem, Resolution, _check_caption_ext,
                       _check_positive_int, _check_resolution, _open_rgb, _read_caption, _with_trigger,
-                      choose_bucket, fit_to_bucket, load_image_folder)
+                      bucket_for, fit_to_bucket, fixed_bucket, load_image_folder)
 
 VIDEO_EXTENSIONS = (".mp4", ".webm", ".mkv", ".mov")
 
@@ -181,29 +181,55 @@ def load_clip_folder(
     trigger: str = "",
     batch_size: int = 1,
 ) -> list[ImageItem]:
-    """Every clip (video file or frame folder) in `folder`, plus its loose images as single frames.
+    """Every clip (video file or frame folder) in `folder`, plus its loose images as single frames."""
+    folder = Path(folder)
+    where = f"dataset folder {folder}"
+    frames = check_frames(frames, where)
+    if frames == 1 and folder_has_clips(folder):
+        raise DatasetError(f"{where} holds clips ({list_clips(folder)[0].name}, ...) but frames is 1; set frames "
+                           "to 4k+1 (e.g. 17 or 33) to train on clips, or remove the clips to train on images")
+    items = clip_items(folder, frames, stride, caption_ext, resolution, repeats, trigger, batch_size)
+    images = [p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS
+              and not p.name.startswith(".")]
+    if images:
+        items += load_image_folder(folder, caption_ext, resolution, repeats, trigger, batch_size=batch_size)
+    return items
+
+
+def clip_items(
+    folder: Path,
+    frames: int,
+    stride: int = 1,
+    caption_ext: str = ".txt",
+    resolution: Resolution = 640,
+    repeats: int = 1,
+    trigger: str = "",
+    batch_size: int = 1,
+    enable_bucket: bool = True,
+    bucket_no_upscale: bool = False,
+) -> list[ClipItem]:
+    """The clips (video files and frame folders) in `folder`, each giving its first `frames` frames.
 
     A clip's caption is the same-stem caption file beside it (`walk.mp4` / `walk/` -> `walk.txt`).
     Each clip is read up to the frames it needs now, so a short or broken clip is reported before
-    any training work starts. Its bucket is chosen from its first frame like an image's.
+    any training work starts. Its bucket is chosen from its first frame like an image's (or, without
+    bucketing, `resolution` exactly).
     """
-    folder = Path(folder)
     where = f"dataset folder {folder}"
     frames = check_frames(frames, where)
     stride = _check_positive_int(stride, "frame stride", where)
     caption_ext = _check_caption_ext(caption_ext, where)
     resolution = _check_resolution(resolution, where)
     repeats = _check_positive_int(repeats, "repeats", where)
+    batch_size = _check_positive_int(batch_size, "batch_size", where)
     if not folder.is_dir():
         raise DatasetError(f"{where} does not exist or is not a folder; check the path")
     clips = list_clips(folder)
     if not clips:
         raise DatasetError(f"{where} holds no clips ({', '.join(VIDEO_EXTENSIONS)} files or folders of "
                            "numbered frames); put the training clips there")
-    if frames == 1:
-        raise DatasetError(f"{where} holds clips ({clips[0].name}, ...) but frames is 1; set frames to 4k+1 "
-                           "(e.g. 17 or 33) to train on clips, or remove the clips to train on images")
-    items: list[ImageItem] = []
+    fixed = None if enable_bucket else fixed_bucket(resolution, where)
+    items: list[ClipItem] = []
     for clip in clips:
         caption_path = clip.with_name(clip.stem + caption_ext) if clip.is_file() else clip.with_name(clip.name + caption_ext)
         if not caption_path.is_file():
@@ -211,15 +237,8 @@ def load_clip_folder(
                                "add one (it may be empty) or remove the clip")
         caption = _with_trigger(_read_caption(caption_path), trigger)
         first = read_frames(clip, frames, stride)[0]
-        try:
-            bucket = choose_bucket(first.size, resolution)
-        except ValueError as error:
-            raise DatasetError(f"clip {clip}: {error}; use a larger clip") from error
+        bucket = fixed or bucket_for(first.size, resolution, bucket_no_upscale, f"clip {clip}")
         items.extend(ClipItem(clip, caption, bucket, batch_size, frames, stride) for _ in range(repeats))
-    images = [p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS
-              and not p.name.startswith(".")]
-    if images:
-        items += load_image_folder(folder, caption_ext, resolution, repeats, trigger, batch_size=batch_size)
     return items
 
 

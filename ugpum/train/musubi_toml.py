@@ -1,0 +1,148 @@
+"""musubi-tuner dataset TOMLs: a [general] table of defaults and [[datasets]] tables, each an image
+folder (image_directory) or, for Wan 2.1, a clip folder (video_directory).
+
+Defaults follow musubi-tuner (docs/dataset_config.md in kohya-ss/musubi-tuner): resolution
+[960, 544], no bucketing, ".txt" captions, clips cut with frame_extraction "head" (each clip's first
+frames). Where UGPUM differs it says so instead of guessing:
+- target_frames defaults to the run's frames (musubi-tuner: [1]). Every value must be 4k+1 (musubi-
+  tuner rounds down) and at most the run's frames, the clip length the memory plan was made for.
+- Of the frame extractions only "head"; the keys of the others (frame_stride, frame_sample,
+  max_frames) are refused.
+- source_fps must be a whole multiple of Wan's 16 fps (16.0, 32.0, 48.0 ...): it becomes the frame
+  stride. musubi-tuner drops frames to reach any rate.
+- Metadata JSONL files and control images are refused.
+"""
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+from .dataset import (DatasetError, ImageItem, _check_bool, _check_caption_ext, _check_positive_int,
+                      _check_resolution, load_image_folder)
+
+WAN_FPS = 16.0
+_COMMON_KEYS = {"caption_extension", "resolution", "batch_size", "num_repeats", "enable_bucket", "bucket_no_upscale"}
+_IMAGE_KEYS = {"image_directory"}
+_VIDEO_KEYS = {"video_directory", "target_frames", "frame_extraction", "source_fps"}
+_IGNORED_KEYS = {"cache_directory", "debug_dataset"}     # musubi-tuner's own cache and debug view
+_REFUSED_KEYS = {
+    "image_jsonl_file": "metadata JSONL files are not supported; use image_directory with caption files",
+    "video_jsonl_file": "metadata JSONL files are not supported; use video_directory with caption files",
+    "control_directory": "control images are not supported (UGPUM trains text-to-image and text-to-video LoRAs)",
+    "multiple_target": "layered (multiple-target) training is not supported",
+    **{key: f"it belongs to a frame_extraction other than \"head\", which UGPUM does not support (it takes each "
+            "clip's first frames); remove it" for key in ("frame_stride", "frame_sample", "max_frames")},
+}
+_DEFAULTS = {
+    "caption_extension": ".txt", "resolution": (960, 544), "batch_size": 1, "num_repeats": 1,
+    "enable_bucket": False, "bucket_no_upscale": False,
+}
+
+
+def _check_table_keys(table: dict, allowed: set[str], where: str) -> None:
+    for key in table:
+        if key in _REFUSED_KEYS:
+            raise DatasetError(f"{where}: {key!r}: {_REFUSED_KEYS[key]}")
+        if key not in allowed | _IGNORED_KEYS:
+            raise DatasetError(f"{where}: unknown key {key!r}; allowed keys are {', '.join(sorted(allowed))}")
+
+
+def load_musubi_toml(path: Path | str, trigger: str = "", family: str = "flux2", frames: int = 1,
+                     stride: int = 1) -> list[ImageItem]:
+    """Items of every [[datasets]] entry, in order. `family`, `frames` and `stride` are the run's:
+    clips need Wan ("wan"); `frames` is the longest clip length allowed and target_frames' default;
+    `stride` applies to video datasets without source_fps. A relative directory is taken from the
+    TOML's folder."""
+    path = Path(path)
+    try:
+        config = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError as error:
+        raise DatasetError(f"dataset config {path} does not exist; check the path") from error
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
+        raise DatasetError(f"dataset config {path} is not valid TOML: {error}") from error
+
+    for key in config:
+        if key not in ("general", "datasets"):
+            raise DatasetError(f"dataset config {path}: unknown section {key!r}; use [general] and [[datasets]]")
+    general = config.get("general", {})
+    datasets = config.get("datasets", [])
+    if not isinstance(general, dict):
+        raise DatasetError(f"dataset config {path}: [general] must be a table")
+    if not isinstance(datasets, list) or not datasets or not all(isinstance(d, dict) for d in datasets):
+        raise DatasetError(f"dataset config {path}: needs at least one [[datasets]] table with image_directory "
+                           "or video_directory")
+    _check_table_keys(general, _COMMON_KEYS, f"dataset config {path} [general]")
+
+    items: list[ImageItem] = []
+    for index, dataset in enumerate(datasets):
+        where = f"dataset config {path} [[datasets]] #{index + 1}"
+        _check_table_keys(dataset, _COMMON_KEYS | _IMAGE_KEYS | _VIDEO_KEYS, where)
+        settings = {**_DEFAULTS, **general, **dataset}
+        common = dict(
+            caption_ext=_check_caption_ext(settings["caption_extension"], where),
+            resolution=_check_resolution(settings["resolution"], where),
+            repeats=_check_positive_int(settings["num_repeats"], "num_repeats", where),
+            trigger=trigger,
+            enable_bucket=_check_bool(settings["enable_bucket"], "enable_bucket", where),
+            bucket_no_upscale=_check_bool(settings["bucket_no_upscale"], "bucket_no_upscale", where),
+            batch_size=_check_positive_int(settings["batch_size"], "batch_size", where),
+        )
+        has_images, has_clips = "image_directory" in dataset, "video_directory" in dataset
+        if has_images == has_clips:
+            raise DatasetError(f"{where}: has both image_directory and video_directory; give each its own "
+                               "[[datasets]] table" if has_images else
+                               f"{where}: image_directory or video_directory is missing; set one to the folder "
+                               "of images or clips")
+        if has_clips:
+            items += _video_dataset(path, settings, where, common, family, frames, stride)
+            continue
+        video_only = sorted(_VIDEO_KEYS & dataset.keys())
+        if video_only:
+            raise DatasetError(f"{where}: {', '.join(video_only)} only apply to a video_directory dataset")
+        items += load_image_folder(path.parent / _directory(settings, "image_directory", where), **common)
+    return items
+
+
+def _directory(settings: dict, key: str, where: str) -> str:
+    directory = settings[key]
+    if not isinstance(directory, str) or not directory:
+        raise DatasetError(f"{where}: {key} must be the path of a folder, got {directory!r}")
+    return directory
+
+
+def _video_dataset(path: Path, settings: dict, where: str, common: dict, family: str, frames: int,
+                   stride: int) -> list[ImageItem]:
+    from .video import check_frames, clip_items
+    if family != "wan":
+        raise DatasetError(f"{where}: video_directory trains Wan 2.1 models only; this run's model is "
+                           f"{family}: use a Wan 2.1 model, or an image_directory")
+    folder = path.parent / _directory(settings, "video_directory", where)
+    extraction = settings.get("frame_extraction", "head")
+    if extraction != "head":
+        raise DatasetError(f"{where}: frame_extraction = {extraction!r}: UGPUM takes each clip's first frames "
+                           "(\"head\") only; set frame_extraction = \"head\" or remove it")
+    stride = _stride_from_fps(settings["source_fps"], where) if "source_fps" in settings else stride
+    targets = settings.get("target_frames", [frames])
+    if not isinstance(targets, list) or not targets:
+        raise DatasetError(f"{where}: target_frames must be a list of frame counts such as [1, 17], got {targets!r}")
+    items: list[ImageItem] = []
+    for target in targets:
+        target = check_frames(target, f"{where} target_frames")
+        if target > frames:
+            raise DatasetError(f"{where}: target_frames holds {target}, more than the {frames} frames this run "
+                               f"is planned for; set frames to {target} (Partition Planner, or --frames), or "
+                               "lower target_frames")
+        items += clip_items(folder, target, stride, **common)
+    return items
+
+
+def _stride_from_fps(source_fps, where: str) -> int:
+    """Every n-th frame brings a `source_fps` clip to Wan's 16 fps; only whole n are taken."""
+    if isinstance(source_fps, bool) or not isinstance(source_fps, (int, float)) or source_fps < WAN_FPS:
+        raise DatasetError(f"{where}: source_fps must be a frame rate of at least {WAN_FPS:g}, got {source_fps!r}")
+    stride = round(source_fps / WAN_FPS)
+    if abs(source_fps / WAN_FPS - stride) > 0.01:
+        raise DatasetError(f"{where}: source_fps = {source_fps:g} is not a whole multiple of Wan's {WAN_FPS:g} fps, "
+                           "so UGPUM cannot drop frames evenly; convert the clips (e.g. ffmpeg -i IN -r 16 OUT.mp4) "
+                           "and remove source_fps, or use 16/32/48 fps clips")
+    return stride
