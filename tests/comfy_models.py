@@ -41,17 +41,8 @@ constant with respect to anything trained inside the blocks, so it does not dist
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import importlib.metadata
-import importlib.util
 import inspect
-import math
-import os
-import shutil
-import sys
-import tempfile
-from pathlib import Path
 
 import torch
 
@@ -227,9 +218,8 @@ def wan_state_dict_keys(variant: str | dict, head_dim: int = 128) -> dict[str, t
 # Finding and importing ComfyUI
 # --------------------------------------------------------------------------------------------
 
-from comfy_bridge import (  # noqa: E402,F401
-    _cache_root, _horde_comfyui_source, _is_comfyui_dir, comfy_training_mode, find_comfyui, import_comfy,
-    init_random as _init_random,
+from comfy_bridge import (  # noqa: E402,F401  (the first three are used by tests as cm.<name>)
+    comfy_training_mode, find_comfyui, import_comfy, init_random as _init_random,
 )
 
 # --------------------------------------------------------------------------------------------

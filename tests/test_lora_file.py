@@ -11,7 +11,8 @@ from safetensors.torch import save_file
 
 import ugpum.lora_file as lora_file
 from ugpum.atomic import atomic_path, write_json_atomic
-from ugpum.lora_file import LoraFileError, dataset_hash, load_lora, lora_metadata, save_lora
+from ugpum.lora_file import LoraFileError, load_lora, lora_metadata, save_lora
+from ugpum.train.cache import dataset_hash
 from ugpum.train.dataset import ImageItem
 
 MODULES = ["double_blocks.0.img_attn.qkv", "single_blocks.7.linear1", "blocks.12.self_attn.q"]

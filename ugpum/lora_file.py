@@ -10,7 +10,6 @@ Safetensors only: a LoRA downloaded from anywhere must never be able to run code
 from __future__ import annotations
 
 import datetime
-import hashlib
 import json
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -265,37 +264,3 @@ def lora_modules(tensors: Mapping[str, torch.Tensor], known_modules: Iterable[st
     if not result:
         raise LoraFileError(f"{source} holds no LoRA tensors")
     return result
-
-
-# ---------------------------------------------------------------- dataset identity
-
-
-def _content_digest(path: Path) -> str:
-    """A file's sha256; for a folder (a clip of numbered frames), over its files' names and bytes."""
-    if not path.is_dir():
-        with open(path, "rb") as f:
-            return hashlib.file_digest(f, "sha256").hexdigest()
-    h = hashlib.sha256()
-    for f in sorted(p for p in path.iterdir() if p.is_file()):
-        h.update(f.name.encode() + b"\0" + bytes.fromhex(_content_digest(f)))
-    return h.hexdigest()
-
-
-def dataset_hash(items: Iterable) -> str:
-    """A sha256 hex digest of the images' (and clips') bytes and their captions.
-
-    Items are anything with `.path` and `.caption`. The order of items and the file names
-    do not matter (except the names inside a frame folder, which order its frames); contents,
-    captions and how often each pair occurs (repeats) do.
-    """
-    image_digests: dict[Path, str] = {}
-    entries = []
-    for item in items:
-        path = Path(item.path)
-        if path not in image_digests:
-            image_digests[path] = _content_digest(path)
-        entries.append(json.dumps([image_digests[path], item.caption]))
-    digest = hashlib.sha256()
-    for entry in sorted(entries):
-        digest.update(entry.encode("utf-8") + b"\n")
-    return digest.hexdigest()

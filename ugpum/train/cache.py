@@ -8,6 +8,8 @@ renamed. A clip's latent is [16, T', h, w] with T' = 1 + (frames - 1) / 4 (Wan's
 from __future__ import annotations
 
 import hashlib
+import json
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -17,7 +19,7 @@ from ..arch.base import latent_frames
 from ..atomic import atomic_path
 from .dataset import ImageItem, load_bucketed_image
 from .encoders import Encoders
-from .video import ClipItem, clip_digest, load_bucketed_clip
+from .video import ClipItem, content_digest, load_bucketed_clip
 
 
 class FeatureCache:
@@ -64,9 +66,27 @@ class FeatureCache:
                 raise ValueError(f"clip {item.path}: the VAE gave a latent of shape {tuple(latent.shape)} for "
                                  f"{item.frames} frames, not [C, {expected}, h, w]; connect the Wan 2.1 VAE")
             return latent
-        key = self._key(clip_digest(item.path), repr(item.bucket).encode(),
+        key = self._key(content_digest(item.path), repr(item.bucket).encode(),
                         f"frames={item.frames} stride={item.stride}".encode())
         return self._get("latents", key, encode)
 
     def text(self, caption: str) -> torch.Tensor:
         return self._get("text", self._key(caption.encode()), lambda: self.encoders.encode_text([caption])[0])
+
+
+def dataset_hash(items: Iterable) -> str:
+    """A sha256 hex digest of the images' (and clips') contents and their captions, for the LoRA's
+    metadata. Items are anything with `.path` and `.caption`. The order of items and the file names
+    do not matter (except the names inside a frame folder, which order its frames); contents,
+    captions and how often each pair occurs (repeats) do."""
+    digests: dict[Path, str] = {}
+    entries = []
+    for item in items:
+        path = Path(item.path)
+        if path not in digests:
+            digests[path] = content_digest(path).hex()
+        entries.append(json.dumps([digests[path], item.caption]))
+    digest = hashlib.sha256()
+    for entry in sorted(entries):
+        digest.update(entry.encode("utf-8") + b"\n")
+    return digest.hexdigest()

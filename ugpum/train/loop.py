@@ -19,12 +19,12 @@ from ..atomic import atomic_path
 from ..checkpointing import checkpoint_blocks
 from ..devices import Device, host_device, parse_device_specs
 from ..inplace_guard import guard_inplace_residuals
-from ..lora_file import dataset_hash, lora_metadata, save_lora
+from ..lora_file import lora_metadata, save_lora
 from ..pipeline import accumulate, best_schedule, in_flight
 from ..swap import place_by_plan
 from ..report import grid, save_animation, to_pil
 from ..plan import Plan, make_plan
-from .cache import FeatureCache
+from .cache import FeatureCache, dataset_hash
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainConfig
 from .dataset import ImageItem, caption_dropout

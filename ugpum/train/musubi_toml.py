@@ -30,7 +30,7 @@ _REFUSED_KEYS = {
     "video_jsonl_file": "metadata JSONL files are not supported; use video_directory with caption files",
     "control_directory": "control images are not supported (UGPUM trains text-to-image and text-to-video LoRAs)",
     "multiple_target": "layered (multiple-target) training is not supported",
-    **{key: f"it belongs to a frame_extraction other than \"head\", which UGPUM does not support (it takes each "
+    **{key: "it belongs to a frame_extraction other than \"head\", which UGPUM does not support (it takes each "
             "clip's first frames); remove it" for key in ("frame_stride", "frame_sample", "max_frames")},
 }
 _DEFAULTS = {

@@ -152,8 +152,9 @@ def load_bucketed_clip(item: ClipItem) -> torch.Tensor:
     return torch.stack([fit_to_bucket(f, item.bucket) for f in read_frames(item.path, item.frames, item.stride)])
 
 
-def clip_digest(path: Path) -> bytes:
-    """sha256 of a video file's bytes, or of a frame folder's frame names and bytes in frame order."""
+def content_digest(path: Path) -> bytes:
+    """What a picture or clip holds: sha256 over a file's bytes' sha256, or over a frame folder's frame
+    names and their bytes' sha256 in frame order."""
     h = hashlib.sha256()
     files = numbered_frames(path) if path.is_dir() else [path]
     for f in files:
