@@ -192,10 +192,27 @@ def build_meta(spec, dtype):
         comfy = import_comfy(find_comfyui_or_raise(), cpu=not torch.cuda.is_available())
     # fp8 weights are cast to the compute dtype per call (ComfyUI's manual_cast ops); others run as stored
     ops = comfy.ops.manual_cast if dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else comfy.ops.disable_weight_init
-    with torch.device("meta"):
+    with torch.device("meta"), _layers_with_weights():
         if spec.family == "wan":
             return comfy.ldm.wan.model.WanModel(operations=ops, dtype=dtype, device="meta", **wan_kwargs(spec))
         return comfy.ldm.flux.model.Flux(operations=ops, dtype=dtype, device="meta", **flux2_kwargs(spec))
+
+
+@contextlib.contextmanager
+def _layers_with_weights():
+    """Newest ComfyUI turns DynamicVRAM (comfy-aimdo) on for NVIDIA GPUs by default; its layers are
+    then built without weights (None until ComfyUI's load_state_dict). ugpum streams each tensor into
+    the layer's own parameter, so while the DiT is built that switch is off. ComfyUI's setting is
+    restored after; the layers never get its on-demand loading (they have no `_v`)."""
+    dynamic = sys.modules.get("comfy.memory_management")
+    if not getattr(dynamic, "aimdo_enabled", False):
+        yield
+        return
+    dynamic.aimdo_enabled = False
+    try:
+        yield
+    finally:
+        dynamic.aimdo_enabled = True
 
 
 def find_comfyui_or_raise() -> Path:

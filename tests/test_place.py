@@ -154,3 +154,28 @@ def test_comfyui_models_split_gradients_equal_unsplit(model_id, devices):
         for r, g_ in zip(ref[path], got[path]):
             err = (g_ - r).norm() / r.norm().clamp_min(1e-30)
             assert err < 1e-6, f"{path}: relative error {err:.2e}"
+
+
+def test_comfyui_dynamic_vram_still_builds_every_weight(comfy, monkeypatch):
+    """Newest ComfyUI turns DynamicVRAM (comfy-aimdo) on for NVIDIA GPUs; its layers then get weights
+    only from load_state_dict (None before), so the DiT ugpum streams into had no weights to fill
+    (found on the H200 with ComfyUI 0.33 in GPU mode). The flag is set here as ComfyUI sets it."""
+    import sys
+    from comfy_bridge import build_meta, build_random
+    from ugpum.arch import get_spec
+    from ugpum.inplace_guard import guard_inplace_residuals
+    dynamic = sys.modules.get("comfy.memory_management")
+    if not hasattr(dynamic, "aimdo_enabled"):
+        pytest.skip("this ComfyUI has no DynamicVRAM (COMFYUI_PATH=<newest ComfyUI> runs this)")
+    monkeypatch.setattr(dynamic, "aimdo_enabled", True)
+    spec = get_spec("tiny-flux2")
+    model = build_meta(spec, torch.float32)
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(m.weight is not None and m.weight.is_meta for m in linears)
+    assert dynamic.aimdo_enabled is True                       # ComfyUI's setting is left as it was
+    model = build_random(spec, torch.float32, seed=5)
+    guard_inplace_residuals(model, include_rms=False)         # as training does
+    out = model(torch.randn(1, 128, 4, 4), torch.tensor([400.0]), torch.randn(1, 6, spec.context_dim),
+                transformer_options={})
+    out.square().mean().backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)

@@ -201,6 +201,17 @@ def test_an_encoder_with_patches_stays_with_comfyui(comfy):
         assert all(not m._forward_pre_hooks for m in te.modules())
 
 
+def test_an_encoder_under_comfyuis_dynamic_vram_stays_with_comfyui(comfy):
+    """Newest ComfyUI's DynamicVRAM (on by default for NVIDIA GPUs) maps the encoder's weights and
+    streams them itself: it already handles an encoder larger than the GPU, so it is not split."""
+    te, _ = tiny_mistral()
+    clip = comfy_clip(te)
+    clip.patcher.is_dynamic = lambda: True                 # as ComfyUI's ModelPatcherDynamic answers
+    with split_text_encoder(clip, two_stage_devices(te, ("cpu", "cpu"), 15)) as te_plan:
+        assert te_plan.mode == "stream" and "DynamicVRAM" in te_plan.reason
+        assert all(not m._forward_pre_hooks for m in te.modules())
+
+
 def test_no_layer_list_is_a_clear_error():
     with pytest.raises(ValueError, match="Linear: no transformer layer list found"):
         find_layers(torch.nn.Linear(2, 2))

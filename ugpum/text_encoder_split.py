@@ -261,6 +261,8 @@ def _refusal(text_encoder, module: nn.Module) -> str:
     patcher = getattr(text_encoder, "patcher", None)
     if patcher is not None and getattr(patcher, "patches", None):
         return "it carries patches (a LoRA) that only ComfyUI's loader applies"
+    if patcher is not None and getattr(patcher, "is_dynamic", lambda: False)():
+        return "ComfyUI's DynamicVRAM holds its weights and streams them to the GPU on demand"
     if any(t.device.type == "meta" for t in list(module.parameters()) + list(module.buffers())):
         return "some of its weights are not loaded (ComfyUI loads them on demand)"
     return ""
