@@ -73,6 +73,30 @@ def test_interrupted_then_resumed_run_ends_with_the_same_lora(full_run, tmp_path
     assert steps == list(range(1, 51))
 
 
+def test_adamw8bit_learns_and_resumes_exactly(tmp_path):
+    """bitsandbytes' 8-bit AdamW (its CPU backend here): its state, quantisation maps shared between
+    parameters included, goes into the checkpoint and back."""
+    pytest.importorskip("bitsandbytes")
+    settings = dict(steps=8, optimizer="adamw8bit", save_every=4, rank=32)     # rank 32: 8-bit states
+    reference = train(cfg(**settings), tmp_path / "ref", **QUIET)
+    assert reference.validation_after < reference.validation_before
+    calls = {"n": 0}
+
+    def interrupt_at_step_5():
+        calls["n"] += 1
+        if calls["n"] > 5:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg(**settings), tmp_path / "run", check_interrupt=interrupt_at_step_5, **QUIET)
+    state = load_file(str(latest_checkpoint(tmp_path / "run") / "optimizer.safetensors"))
+    assert any(k.endswith("::state1") and t.dtype == torch.uint8 for k, t in state.items())
+    resumed = train(cfg(**settings), tmp_path / "run", resume=True, **QUIET)
+    a, b = lora_tensors(reference.lora_path), lora_tensors(resumed.lora_path)
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)
+
+
 def test_split_over_two_devices_gives_the_same_lora(tmp_path):
     one = train(cfg(steps=6), tmp_path / "one", **QUIET)
     two = train(cfg(steps=6, devices=["cpu", "cpu"]), tmp_path / "two", **QUIET)

@@ -43,7 +43,9 @@ def save_checkpoint(out: Path, step: int, lora: LoraSet, optimizer: torch.optim.
         opt_tensors = {}
         for p, state in optimizer.state.items():
             for k, v in state.items():
-                opt_tensors[f"{index[id(p)]}::{k}"] = torch.as_tensor(v).detach().cpu().contiguous()
+                # a copy each: optimizers may share a tensor between parameters (bitsandbytes' qmaps),
+                # which safetensors refuses to write
+                opt_tensors[f"{index[id(p)]}::{k}"] = torch.as_tensor(v).detach().to("cpu", copy=True).contiguous()
         save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
         groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
         (tmp / "state.json").write_text(json.dumps({"step": step, "param_groups": groups, **extra}, indent=1))
