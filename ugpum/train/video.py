@@ -20,8 +20,8 @@ from typing import Iterator
 import torch
 from PIL import Image
 
-from .dataset import (IMAGE_EXTENSIONS, DatasetError, ImageItem, Resolution, _check_caption_ext,
-                      _check_positive_int, _check_resolution, _open_rgb, _read_caption, _with_trigger,
+from .dataset import (DatasetError, ImageItem, Resolution, _check_caption_ext,
+                      _check_positive_int, _check_resolution, _list_images, _open_rgb, _read_caption, _with_trigger,
                       bucket_for, fit_to_bucket, fixed_bucket, load_image_folder)
 
 VIDEO_EXTENSIONS = (".mp4", ".webm", ".mkv", ".mov")
@@ -48,15 +48,10 @@ def _is_video(p: Path) -> bool:
     return p.is_file() and p.suffix.lower() in VIDEO_EXTENSIONS and not p.name.startswith(".")
 
 
-def _frame_images(folder: Path) -> list[Path]:
-    return [p for p in folder.iterdir()
-            if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS and not p.name.startswith(".")]
-
-
 def _is_frame_folder(p: Path) -> bool:
     """A sub-folder of images with a caption beside it (`wave/` + `wave.txt`): an uncaptioned
     sub-folder (raw photos, rejects) is not a clip and is ignored as before."""
-    return (p.is_dir() and not p.name.startswith(".") and bool(_frame_images(p))
+    return (p.is_dir() and not p.name.startswith(".") and bool(_list_images(p))
             and any(q.is_file() for q in p.parent.glob(glob.escape(p.name) + ".*")))
 
 
@@ -68,7 +63,7 @@ def list_clips(folder: Path) -> list[Path]:
 def numbered_frames(folder: Path) -> list[Path]:
     """A frame folder's images in frame order: by the last number in each name (frame_2 before frame_10)."""
     numbered = []
-    for p in _frame_images(folder):
+    for p in _list_images(folder):
         found = re.findall(r"\d+", p.stem)
         if not found:
             raise DatasetError(f"frame folder {folder}: {p.name} has no frame number in its name; name the "
@@ -190,9 +185,7 @@ def load_clip_folder(
         raise DatasetError(f"{where} holds clips ({list_clips(folder)[0].name}, ...) but frames is 1; set frames "
                            "to 4k+1 (e.g. 17 or 33) to train on clips, or remove the clips to train on images")
     items = clip_items(folder, frames, stride, caption_ext, resolution, repeats, trigger, batch_size)
-    images = [p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS
-              and not p.name.startswith(".")]
-    if images:
+    if _list_images(folder):
         items += load_image_folder(folder, caption_ext, resolution, repeats, trigger, batch_size=batch_size)
     return items
 
