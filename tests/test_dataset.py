@@ -267,7 +267,6 @@ def test_toml_general_defaults_and_dataset_overrides(tmp_path, monkeypatch):
 [general]
 resolution = [512, 256]
 caption_extension = ".txt"
-batch_size = 2
 enable_bucket = true
 bucket_no_upscale = false
 
@@ -286,13 +285,22 @@ enable_bucket = false
     )
     monkeypatch.chdir(tmp_path / "elsewhere")  # relative paths follow the TOML, not the cwd
     items = load_musubi_toml(config)
-    assert [(i.path.name, i.caption, i.batch_size) for i in items] == [
-        ("a.png", "a photo", 2), ("a.png", "a photo", 2), ("b.png", "b caption", 1)
-    ]
+    assert [(i.path.name, i.caption) for i in items] == [("a.png", "a photo"), ("a.png", "a photo"), ("b.png", "b caption")]
     assert items[0].path == (tmp_path / "cfg" / "images_a" / "a.png")
     width, height = items[0].bucket
     assert width * height <= 512 * 256 and width > height
     assert items[2].bucket == (256, 256)
+
+
+def test_toml_buckets_larger_than_the_plan_are_refused(tmp_path):
+    """musubi-tuner's default (960x544, no bucketing) on a run planned for 512²: more pixels per step
+    than the memory forecast was made for."""
+    make_image(tmp_path / "img" / "a.png", size=(300, 300))
+    config = write_toml(tmp_path / "d.toml", '[[datasets]]\nimage_directory = "img"\n')
+    with pytest.raises(DatasetError, match=r"d.toml \[\[datasets\]\] #1: a.png trains at 960x544, more pixels than "
+                                           r"the 512x512 this run is planned for; lower this dataset's resolution"):
+        load_musubi_toml(config, resolution=512)
+    assert load_musubi_toml(config, resolution=1024)[0].bucket == (960, 544)
 
 
 def test_toml_musubi_defaults_are_960x544_without_buckets(tmp_path):
@@ -308,12 +316,14 @@ def test_toml_musubi_defaults_are_960x544_without_buckets(tmp_path):
         ('[general]\nresolution = "big"\n[[datasets]]\nimage_directory = "img"\n', "resolution"),
         ('[[datasets]]\nimage_directory = "img"\nnum_repeats = 0\n', "num_repeats"),
         ('[[datasets]]\nimage_directory = "img"\nbatch_size = -1\n', "batch_size"),
+        ('[[datasets]]\nimage_directory = "img"\nbatch_size = 4\n', "batch_size = 4: UGPUM trains one sample per micro-batch; set batch_size = 1 and raise gradient accumulation"),
+        ('[general]\ntarget_frames = [17]\n[[datasets]]\nimage_directory = "img"\n', "'target_frames' belongs in each \\[\\[datasets\\]\\] table"),
         ('[[datasets]]\nimage_directory = "img"\nenable_bucket = "yes"\n', "enable_bucket"),
         ('[[datasets]]\nimage_directory = "img"\nbucket_no_upscale = 1\n', "bucket_no_upscale"),
         ('[[datasets]]\nimage_directory = "img"\ncaption_extension = 7\n', "caption_extension"),
         ('[[datasets]]\nimage_directory = "img"\nresolution = [512]\n', "resolution"),
         ('[[datasets]]\nimage_directory = "img"\nshuffle_captions = true\n', "unknown key 'shuffle_captions'"),
-        ('[general]\nimage_directory = "img"\n[[datasets]]\nimage_directory = "img"\n', "unknown key 'image_directory'"),
+        ('[general]\nimage_directory = "img"\n[[datasets]]\nimage_directory = "img"\n', "'image_directory' belongs in each \\[\\[datasets\\]\\] table"),
         ('[[datasets]]\nvideo_directory = "vids"\n', "video_directory trains Wan 2.1 models only"),
         ('[[datasets]]\nimage_directory = "img"\nvideo_directory = "img"\n', "both image_directory and video_directory"),
         ('[[datasets]]\nimage_directory = "img"\ntarget_frames = [17]\n', "target_frames only apply to a video_directory"),

@@ -322,6 +322,9 @@ def test_musubi_video_dataset_gives_each_clips_head_per_target_frames(tmp_path):
     ("source_fps = 30.0\n", "source_fps = 30 is not a whole multiple of Wan's 16 fps"),
     ("source_fps = 8.0\n", "source_fps must be a frame rate of at least 16"),
     ('video_jsonl_file = "m.jsonl"\n', "'video_jsonl_file': metadata JSONL files are not supported"),
+    ("source_fps = inf\n", "source_fps must be a frame rate"),
+    ("target_frames = [9]\nsource_fps = 48.0\n", "bar.mp4 has 20 frame\\(s\\), but training takes 9 frames at stride 3 \\(25 "
+     "frames\\) from its start; set .*clips.toml \\[\\[datasets\\]\\] #1's target_frames to 5 or fewer"),
 ])
 def test_musubi_video_dataset_problems_name_the_toml_and_the_fix(tmp_path, body, message):
     config = video_toml(tmp_path, body)
@@ -330,9 +333,17 @@ def test_musubi_video_dataset_problems_name_the_toml_and_the_fix(tmp_path, body,
     assert "clips.toml [[datasets]] #1" in str(caught.value)
 
 
-def test_musubi_video_dataset_needs_a_wan_model(tmp_path):
+def test_musubi_video_dataset_needs_a_wan_model_and_clip_frames(tmp_path):
+    config = video_toml(tmp_path, "")
     with pytest.raises(DatasetError, match="video_directory trains Wan 2.1 models only; this run's model is flux2"):
-        load_musubi_toml(video_toml(tmp_path, ""), family="flux2", frames=1)
+        load_musubi_toml(config, family="flux2", frames=1)
+    with pytest.raises(DatasetError, match="this run's frames is 1; set frames to 4k\\+1"):
+        load_musubi_toml(config, family="wan", frames=1)
+
+
+def test_musubi_target_frames_are_taken_once_each(tmp_path):
+    items = load_musubi_toml(video_toml(tmp_path, "target_frames = [5, 1, 5]\n"), family="wan", frames=5)
+    assert [(i.path.name, i.frames) for i in items] == [("bar.mp4", 5), ("wave", 5), ("bar.mp4", 1), ("wave", 1)]
 
 
 @needs_comfy
@@ -340,7 +351,7 @@ def test_tiny_wan_trains_on_a_musubi_video_toml(tmp_path):
     from ugpum.train.loop import train
     config = video_toml(tmp_path, "target_frames = [1, 5]\n")
     cfg = load_config("tiny-wan-clip", overrides=dict(dataset=str(config), devices=["cpu"], frames=5, steps=4,
-                                                      sample_every=0))
+                                                      sample_every=0, resolution=96))   # the TOML's 96x64
     result = train(cfg, tmp_path / "out", **QUIET)
     assert result.steps_done == 4 and all(np.isfinite(result.losses))
     shapes = sorted(tuple(load_file(str(p))["value"].shape) for p in (tmp_path / "out/cache/latents").iterdir())

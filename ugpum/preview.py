@@ -31,9 +31,7 @@ def render_on_plan(spec: ArchSpec, plan, model, model_file: str, key_prefix: str
                    before_and_after: bool = True, frames: int = 1) -> list[torch.Tensor]:
     """Samples ([T,3,H,W] in [-1,1]; T = `frames` for a Wan clip, else 1): without and with the LoRA,
     or just one. The model (built on meta, streamed from `model_file`) is placed for the call and
-    released afterwards."""
-    if spec.frames_error(frames):
-        raise ValueError(f"frames = {frames}: {spec.frames_error(frames)}")
+    released afterwards (the Sample Preview node has checked `frames`)."""
     on_meta = any(p.is_meta for p in model.parameters())
     placement = place_by_plan(model, plan, spec.tail_modules, model_file, key_prefix, weight_dtype)
     lora = attach_lora_tensors(model, lora_tensors) if lora_tensors else None

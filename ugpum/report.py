@@ -1,9 +1,10 @@
 """Pictures for people: a loss curve and a before/after grid, drawn with Pillow alone."""
 from __future__ import annotations
 
+import torch
 from PIL import Image, ImageDraw
 
-import torch
+from .arch.base import WAN_FPS
 
 
 def loss_curve(losses: list[float], width: int = 640, height: int = 360, smooth: int = 5) -> Image.Image:
@@ -37,9 +38,6 @@ def to_pil(pixels: torch.Tensor) -> Image.Image:
     """[3,H,W] in [-1,1] -> PIL image."""
     arr = ((pixels.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 0).cpu().numpy()
     return Image.fromarray(arr)
-
-
-WAN_FPS = 16        # Wan 2.1's frame rate (ComfyUI's Wan templates save at 16)
 
 
 def save_animation(frames: list[Image.Image], path, fps: int = WAN_FPS) -> None:

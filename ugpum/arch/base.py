@@ -7,6 +7,9 @@ WEIGHT_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1, "fp32": 4}
 ACT_BYTES = 2  # activations run in bf16 (autocast) on the GPU
 
 
+WAN_FPS = 16        # Wan 2.1's frame rate: what it was trained on, what ComfyUI's Wan templates save at
+
+
 def latent_frames(frames: int) -> int:
     """Frames of the Wan VAE latent for `frames` video frames: the first alone, then 4 per latent frame."""
     return 1 + (frames - 1) // 4

@@ -1,8 +1,8 @@
 """Latents and caption embeddings computed once, stored as safetensors, keyed by content.
 
-A key covers the image bytes (a clip's bytes and its frames and stride; or caption text), the bucket
-and the encoders' identity, so a changed image, clip, caption or encoder gives a new key (the stale
-entry is simply not used); a damaged file is rebuilt. Files are written under a temporary name and
+A key covers the image's content digest (a clip's, with its frames and stride; or the caption text),
+the bucket and the encoders' identity, so a changed image, clip, caption or encoder gives a new key
+(the stale entry is simply not used); a damaged file is rebuilt. Files are written under a temporary name and
 renamed. A clip's latent is [16, T', h, w] with T' = 1 + (frames - 1) / 4 (Wan's VAE).
 """
 from __future__ import annotations
@@ -55,7 +55,7 @@ class FeatureCache:
     def latent(self, item: ImageItem) -> torch.Tensor:
         if isinstance(item, ClipItem):
             return self.clip_latent(item)
-        key = self._key(item.path.read_bytes(), repr(item.bucket).encode())
+        key = self._key(content_digest(item.path), repr(item.bucket).encode())
         return self._get("latents", key, lambda: self.encoders.encode_images(load_bucketed_image(item)[None])[0])
 
     def clip_latent(self, item: ClipItem) -> torch.Tensor:

@@ -30,7 +30,7 @@ class ImageItem:
     path: Path
     caption: str
     bucket: tuple[int, int]  # (width, height) in pixels, multiples of 16
-    batch_size: int = 1  # what the dataset asked for; the loop batches items of one bucket
+    batch_size: int = 1  # what the dataset asked for; training takes one item per micro-batch
 
 
 Resolution = int | tuple[int, int]

@@ -63,7 +63,7 @@ def load_items(cfg: TrainConfig) -> list[ImageItem]:
     path = Path(cfg.dataset)
     family = get_spec(cfg.model).family
     if path.suffix == ".toml":
-        return load_musubi_toml(path, cfg.trigger, family, cfg.frames, cfg.frame_stride)
+        return load_musubi_toml(path, cfg.trigger, family, cfg.frames, cfg.frame_stride, cfg.resolution)
     return load_folder(path, family, frames=cfg.frames, stride=cfg.frame_stride,
                        resolution=cfg.resolution, repeats=cfg.repeats, trigger=cfg.trigger)
 

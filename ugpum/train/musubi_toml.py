@@ -2,10 +2,14 @@
 folder (image_directory) or, for Wan 2.1, a clip folder (video_directory).
 
 Defaults follow musubi-tuner (docs/dataset_config.md in kohya-ss/musubi-tuner): resolution
-[960, 544], no bucketing, ".txt" captions, clips cut with frame_extraction "head" (each clip's first
-frames). Where UGPUM differs it says so instead of guessing:
+[960, 544], no bucketing, clips cut with frame_extraction "head" (each clip's first frames); captions
+are ".txt" files unless caption_extension says otherwise. Where UGPUM differs it says so instead of
+guessing:
 - target_frames defaults to the run's frames (musubi-tuner: [1]). Every value must be 4k+1 (musubi-
-  tuner rounds down) and at most the run's frames, the clip length the memory plan was made for.
+  tuner rounds down) and at most the run's frames, the clip length the memory plan was made for. A
+  clip shorter than a value is an error naming it (musubi-tuner skips that clip for that value).
+- Buckets may not exceed the area the run is planned for (resolution²); batch_size must be 1 (use
+  gradient accumulation).
 - Of the frame extractions only "head"; the keys of the others (frame_stride, frame_sample,
   max_frames) are refused.
 - source_fps must be a whole multiple of Wan's 16 fps (16.0, 32.0, 48.0 ...): it becomes the frame
@@ -14,13 +18,14 @@ frames). Where UGPUM differs it says so instead of guessing:
 """
 from __future__ import annotations
 
+import math
 import tomllib
 from pathlib import Path
 
-from .dataset import (DatasetError, ImageItem, _check_bool, _check_caption_ext, _check_positive_int,
+from ..arch.base import WAN_FPS
+from .dataset import (DatasetError, ImageItem, Resolution, _check_bool, _check_caption_ext, _check_positive_int,
                       _check_resolution, load_image_folder)
 
-WAN_FPS = 16.0
 _COMMON_KEYS = {"caption_extension", "resolution", "batch_size", "num_repeats", "enable_bucket", "bucket_no_upscale"}
 _IMAGE_KEYS = {"image_directory"}
 _VIDEO_KEYS = {"video_directory", "target_frames", "frame_extraction", "source_fps"}
@@ -43,16 +48,18 @@ def _check_table_keys(table: dict, allowed: set[str], where: str) -> None:
     for key in table:
         if key in _REFUSED_KEYS:
             raise DatasetError(f"{where}: {key!r}: {_REFUSED_KEYS[key]}")
+        if key in _VIDEO_KEYS | _IMAGE_KEYS and key not in allowed:
+            raise DatasetError(f"{where}: {key!r} belongs in each [[datasets]] table, not in [general]")
         if key not in allowed | _IGNORED_KEYS:
             raise DatasetError(f"{where}: unknown key {key!r}; allowed keys are {', '.join(sorted(allowed))}")
 
 
 def load_musubi_toml(path: Path | str, trigger: str = "", family: str = "flux2", frames: int = 1,
-                     stride: int = 1) -> list[ImageItem]:
-    """Items of every [[datasets]] entry, in order. `family`, `frames` and `stride` are the run's:
-    clips need Wan ("wan"); `frames` is the longest clip length allowed and target_frames' default;
-    `stride` applies to video datasets without source_fps. A relative directory is taken from the
-    TOML's folder."""
+                     stride: int = 1, resolution: Resolution | None = None) -> list[ImageItem]:
+    """Items of every [[datasets]] entry, in order. `family`, `frames`, `stride` and `resolution` are
+    the run's: clips need Wan ("wan"); `frames` is the longest clip length allowed and target_frames'
+    default; `stride` applies to video datasets without source_fps; no bucket may exceed
+    `resolution`'s area (None: no limit). A relative directory is taken from the TOML's folder."""
     path = Path(path)
     try:
         config = tomllib.loads(path.read_text(encoding="utf-8"))
@@ -87,6 +94,9 @@ def load_musubi_toml(path: Path | str, trigger: str = "", family: str = "flux2",
             bucket_no_upscale=_check_bool(settings["bucket_no_upscale"], "bucket_no_upscale", where),
             batch_size=_check_positive_int(settings["batch_size"], "batch_size", where),
         )
+        if common["batch_size"] != 1:
+            raise DatasetError(f"{where}: batch_size = {common['batch_size']}: UGPUM trains one sample per "
+                               "micro-batch; set batch_size = 1 and raise gradient accumulation instead")
         has_images, has_clips = "image_directory" in dataset, "video_directory" in dataset
         if has_images == has_clips:
             raise DatasetError(f"{where}: has both image_directory and video_directory; give each its own "
@@ -94,13 +104,28 @@ def load_musubi_toml(path: Path | str, trigger: str = "", family: str = "flux2",
                                f"{where}: image_directory or video_directory is missing; set one to the folder "
                                "of images or clips")
         if has_clips:
-            items += _video_dataset(path, settings, where, common, family, frames, stride)
-            continue
-        video_only = sorted(_VIDEO_KEYS & dataset.keys())
-        if video_only:
-            raise DatasetError(f"{where}: {', '.join(video_only)} only apply to a video_directory dataset")
-        items += load_image_folder(path.parent / _directory(settings, "image_directory", where), **common)
+            found = _video_dataset(path, settings, where, common, family, frames, stride)
+        else:
+            video_only = sorted(_VIDEO_KEYS & dataset.keys())
+            if video_only:
+                raise DatasetError(f"{where}: {', '.join(video_only)} only apply to a video_directory dataset")
+            found = load_image_folder(path.parent / _directory(settings, "image_directory", where), **common)
+        _check_area(found, resolution, where)
+        items += found
     return items
+
+
+def _check_area(items: list[ImageItem], resolution: Resolution | None, where: str) -> None:
+    """The memory plan holds for buckets up to the run's resolution²; a larger one could run out."""
+    if resolution is None or not items:
+        return
+    planned = resolution if isinstance(resolution, tuple) else (resolution, resolution)
+    largest = max(items, key=lambda i: i.bucket[0] * i.bucket[1])
+    width, height = largest.bucket
+    if width * height > planned[0] * planned[1]:
+        raise DatasetError(f"{where}: {largest.path.name} trains at {width}x{height}, more pixels than the "
+                           f"{planned[0]}x{planned[1]} this run is planned for; lower this dataset's resolution "
+                           "(or set enable_bucket = true), or plan for a larger resolution")
 
 
 def _directory(settings: dict, key: str, where: str) -> str:
@@ -122,23 +147,27 @@ def _video_dataset(path: Path, settings: dict, where: str, common: dict, family:
         raise DatasetError(f"{where}: frame_extraction = {extraction!r}: UGPUM takes each clip's first frames "
                            "(\"head\") only; set frame_extraction = \"head\" or remove it")
     stride = _stride_from_fps(settings["source_fps"], where) if "source_fps" in settings else stride
+    if "target_frames" not in settings and frames == 1:
+        raise DatasetError(f"{where}: a video_directory, but this run's frames is 1; set frames to 4k+1 (e.g. 17) "
+                           "to train on clips, or target_frames = [1] to train on their first frames")
     targets = settings.get("target_frames", [frames])
     if not isinstance(targets, list) or not targets:
         raise DatasetError(f"{where}: target_frames must be a list of frame counts such as [1, 17], got {targets!r}")
     items: list[ImageItem] = []
-    for target in targets:
-        target = check_frames(target, f"{where} target_frames")
+    checked = [check_frames(target, f"{where} target_frames") for target in targets]
+    for target in dict.fromkeys(checked):                   # each value once, as musubi-tuner takes them
         if target > frames:
             raise DatasetError(f"{where}: target_frames holds {target}, more than the {frames} frames this run "
                                f"is planned for; set frames to {target} (Partition Planner, or --frames), or "
                                "lower target_frames")
-        items += clip_items(folder, target, stride, **common)
+        items += clip_items(folder, target, stride, **common, frames_setting=f"{where}'s target_frames")
     return items
 
 
 def _stride_from_fps(source_fps, where: str) -> int:
     """Every n-th frame brings a `source_fps` clip to Wan's 16 fps; only whole n are taken."""
-    if isinstance(source_fps, bool) or not isinstance(source_fps, (int, float)) or source_fps < WAN_FPS:
+    if (isinstance(source_fps, bool) or not isinstance(source_fps, (int, float)) or not math.isfinite(source_fps)
+            or source_fps < WAN_FPS):
         raise DatasetError(f"{where}: source_fps must be a frame rate of at least {WAN_FPS:g}, got {source_fps!r}")
     stride = round(source_fps / WAN_FPS)
     if abs(source_fps / WAN_FPS - stride) > 0.01:
