@@ -12,7 +12,7 @@ from comfy_bridge import find_comfyui
 from ugpum.train.checkpoint import latest_checkpoint
 from ugpum.train.config import ConfigError, load_config
 from ugpum.train.dataset import DatasetError
-from ugpum.train.loop import train
+from ugpum.train.loop import train, validation_picks
 
 pytestmark = pytest.mark.skipif(find_comfyui() is None, reason="needs ComfyUI's model classes")
 DATASET = Path(__file__).resolve().parent.parent / "demo_datasets" / "loranne"
@@ -95,6 +95,17 @@ def test_adamw8bit_learns_and_resumes_exactly(tmp_path):
     a, b = lora_tensors(reference.lora_path), lora_tensors(resumed.lora_path)
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)
+
+
+def test_validation_takes_distinct_samples_spread_over_the_dataset():
+    from ugpum.train.dataset import ImageItem
+    from ugpum.train.video import ClipItem
+    repeated = [ImageItem(Path(f"{n}.png"), "", (64, 64)) for n in range(3) for _ in range(4)]
+    assert validation_picks(repeated) == [0, 4, 8]                      # num_repeats = 4: each once
+    lengths = [ClipItem(Path("a.mp4"), "", (64, 64), 1, f) for f in (1, 1, 17, 17)]
+    assert validation_picks(lengths) == [0, 2]                          # a clip at two target_frames
+    many = [ImageItem(Path(f"{n}.png"), "", (64, 64)) for n in range(31)]
+    assert validation_picks(many) == list(range(0, 31, 2))              # 16 of 31, first to last
 
 
 def test_split_over_two_devices_gives_the_same_lora(tmp_path):

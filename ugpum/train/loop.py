@@ -139,13 +139,27 @@ def micro_loss(model, spec, cfg: TrainConfig, latent: torch.Tensor, context: tor
 VALIDATION_T = (0.25, 0.5, 0.75)
 
 
+def validation_picks(items: list[ImageItem], limit: int = 16) -> list[int]:
+    """Up to `limit` distinct samples, spread evenly over the dataset: a repeated item counts once, a
+    clip taken at two lengths (musubi target_frames) twice."""
+    seen, distinct = set(), []
+    for n, item in enumerate(items):
+        key = (item.path, getattr(item, "frames", 1))
+        if key not in seen:
+            seen.add(key)
+            distinct.append(n)
+    if len(distinct) <= limit:
+        return distinct
+    return [distinct[round(j * (len(distinct) - 1) / (limit - 1))] for j in range(limit)]
+
+
 @torch.no_grad()
-def validation_loss(model, spec, cfg: TrainConfig, latents, contexts, first: str) -> float:
-    """Loss on fixed noise at fixed timesteps over (up to 16) items: a smooth measure of progress,
+def validation_loss(model, spec, cfg: TrainConfig, latents, contexts, first: str, picks: list[int]) -> float:
+    """Loss on fixed noise at fixed timesteps over the picked items: a smooth measure of progress,
     unlike the training loss, whose random timesteps make it jump from step to step."""
     total, n = 0.0, 0
-    for i in range(min(len(latents), 16)):
-        g = torch.Generator().manual_seed(10_007 + i)
+    for seed, i in enumerate(picks):
+        g = torch.Generator().manual_seed(10_007 + seed)
         x0 = latents[i][None].float()
         noise = torch.randn(x0.shape, generator=g)
         for t in VALIDATION_T:
@@ -259,7 +273,8 @@ def train(cfg: TrainConfig, out: str | Path, encoders: Encoders | None = None, m
     first = layout.first                                  # where the model's inputs go
     losses: list[float] = []
     step = start
-    validation_before = validation_loss(model, spec, cfg, latents, contexts, first)
+    picks = validation_picks(items)
+    validation_before = validation_loss(model, spec, cfg, latents, contexts, first, picks)
     log(f"validation loss before: {validation_before:.4f}")
     samples: list[Path] = []
 
@@ -325,7 +340,7 @@ def train(cfg: TrainConfig, out: str | Path, encoders: Encoders | None = None, m
         release()
         raise
     peak = {d: round(torch.cuda.max_memory_allocated(d) / 2**30, 3) for d in cuda_devices}
-    validation_after = validation_loss(model, spec, cfg, latents, contexts, first)
+    validation_after = validation_loss(model, spec, cfg, latents, contexts, first, picks)
     log(f"validation loss after {step} steps: {validation_after:.4f}" +
         "".join(f"; peak {d}: {g:.2f} GiB" for d, g in peak.items()))
     save_checkpoint(out, step, lora, optimizer, {"model": spec.id})
