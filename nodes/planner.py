@@ -65,7 +65,8 @@ class PartitionPlanner(io.ComfyNode):
                              tooltip="Training resolution in pixels (square side; images and clips are "
                                      "bucketed to about this many pixels at their own aspect ratio: 640 "
                                      "gives 832x480 for Wan's 480p clips)."),
-                io.Int.Input("batch", default=1, min=1, max=64, tooltip="Images per micro-batch."),
+                io.Int.Input("batch", default=1, min=1, max=64,
+                             tooltip="Samples per micro-batch (images or clips of one bucket and caption length)."),
                 io.Int.Input("grad_accum", default=1, min=1, max=64, display_name="gradient accumulation",
                              tooltip="Micro-batches per optimizer step; with two or more GPUs they are "
                                      "pipelined, so more micro-batches keep every GPU busy."),

@@ -104,9 +104,6 @@ def make_config(model: UGPUMModel, plan: UGPUMPlan, dataset: Path, trigger_word:
     """The one TrainConfig (ugpum/train/config.py) from the node's inputs and the plan."""
     from ugpum.train.config import load_config
     w = plan.workload
-    if w.batch != 1:
-        raise UGPUMError(f"{NODE}: this version trains with batch 1; set batch to 1 on the Partition Planner "
-                         "and raise gradient accumulation instead.")
     devices = [d.torch_device for d in plan.devices]
     if any(d is None for d in devices):
         raise UGPUMError(f"{NODE}: the plan is for hand-described devices "
@@ -115,7 +112,8 @@ def make_config(model: UGPUMModel, plan: UGPUMPlan, dataset: Path, trigger_word:
     weight_dtype = {"fp16": "bf16"}.get(model.weight_dtype, model.weight_dtype)
     return load_config(overrides=dict(
         model=model.model_id, model_file=model.path, dataset=str(dataset), trigger=trigger_word.strip(),
-        resolution=w.width, frames=w.frames, frame_stride=frame_stride, steps=steps, grad_accum=plan.grad_accum, lr=learning_rate,
+        resolution=w.width, frames=w.frames, frame_stride=frame_stride, steps=steps, batch=w.batch,
+        grad_accum=plan.grad_accum, lr=learning_rate,
         rank=w.rank, alpha=alpha, seed=seed % 2**32, checkpointing=w.checkpointing, weight_dtype=weight_dtype,
         devices=devices, sample_every=sample_every, sample_prompt=sample_prompt.strip(),
         output_name=save_name.strip().removesuffix(".safetensors")))

@@ -316,7 +316,7 @@ def test_toml_musubi_defaults_are_960x544_without_buckets(tmp_path):
         ('[general]\nresolution = "big"\n[[datasets]]\nimage_directory = "img"\n', "resolution"),
         ('[[datasets]]\nimage_directory = "img"\nnum_repeats = 0\n', "num_repeats"),
         ('[[datasets]]\nimage_directory = "img"\nbatch_size = -1\n', "batch_size"),
-        ('[[datasets]]\nimage_directory = "img"\nbatch_size = 4\n', "batch_size = 4: UGPUM trains one sample per micro-batch; set batch_size = 1 and raise gradient accumulation"),
+        ('[[datasets]]\nimage_directory = "img"\nbatch_size = 4\n', "batch_size = 4: UGPUM takes the batch from the run .* remove batch_size or set it to 1"),
         ('[general]\ntarget_frames = [17]\n[[datasets]]\nimage_directory = "img"\n', "'target_frames' belongs in each \\[\\[datasets\\]\\] table"),
         ('[[datasets]]\nimage_directory = "img"\nenable_bucket = "yes"\n', "enable_bucket"),
         ('[[datasets]]\nimage_directory = "img"\nbucket_no_upscale = 1\n', "bucket_no_upscale"),

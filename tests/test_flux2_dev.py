@@ -116,7 +116,7 @@ def test_header_tells_dev_like_from_klein_like_by_guidance_in(tmp_path, norm_nam
 
 
 def test_training_forward_feeds_guidance_and_klein_ignores_it():
-    from ugpum.train.loop import loss_at
+    from ugpum.train.loop import loss_at, model_context
     torch.manual_seed(0)
     x0, noise, t = torch.randn(1, 128, 4, 4), torch.randn(1, 128, 4, 4), torch.tensor([0.5])
     ctx = torch.randn(16, get_spec(DEV).context_dim)
@@ -124,7 +124,8 @@ def test_training_forward_feeds_guidance_and_klein_ignores_it():
     def loss(model_id, guidance):
         spec = get_spec(model_id)
         model = build_random(spec, torch.float32)
-        return loss_at(model, spec, cfg(model=model_id, guidance=guidance), x0, noise, t, ctx, "cpu", "none").item()
+        return loss_at(model, spec, cfg(model=model_id, guidance=guidance), x0, noise, t, model_context(spec, ctx),
+                       "cpu", "none").item()
     assert loss(DEV, None) == loss(DEV, 4.0)                # unset: the model's default, 4.0
     assert abs(loss(DEV, 1.0) - loss(DEV, 4.0)) > 1e-4
     assert loss("tiny-flux2", 3.0) == loss("tiny-flux2", None)
@@ -178,7 +179,7 @@ def test_fp8_file_trains_an_fp32_lora_with_finite_gradients(tmp_path):
             for _, a in lora_set.items():
                 a.B.normal_(0, 0.01)                                       # so A gets a gradient too
         latent, context = torch.randn(128, 4, 4), torch.randn(16, spec.context_dim)
-        micro_loss(model, spec, c, latent, context, 0, layout.first).backward()
+        micro_loss(model, spec, c, [latent], [context], 0, layout.first).backward()
         grads = [p.grad for _, a in lora_set.items() for p in (a.A, a.B)]
         assert all(g is not None and g.dtype == torch.float32 and torch.isfinite(g).all() for g in grads)
         assert all(g.abs().max() > 0 for g in grads)

@@ -12,7 +12,7 @@ from comfy_bridge import find_comfyui
 from ugpum.train.checkpoint import latest_checkpoint
 from ugpum.train.config import ConfigError, load_config
 from ugpum.train.dataset import DatasetError
-from ugpum.train.loop import train, validation_picks
+from ugpum.train.loop import MicroBatches, train, validation_picks
 
 pytestmark = pytest.mark.skipif(find_comfyui() is None, reason="needs ComfyUI's model classes")
 DATASET = Path(__file__).resolve().parent.parent / "demo_datasets" / "loranne"
@@ -106,6 +106,49 @@ def test_validation_takes_distinct_samples_spread_over_the_dataset():
     assert validation_picks(lengths) == [0, 2]                          # a clip at two target_frames
     many = [ImageItem(Path(f"{n}.png"), "", (64, 64)) for n in range(31)]
     assert validation_picks(many) == list(range(0, 31, 2))              # 16 of 31, first to last
+
+
+def test_micro_batches_group_items_of_one_shape():
+    one = MicroBatches([("a",)] * 5, batch=1, seed=3)
+    shuffle = torch.randperm(5, generator=torch.Generator().manual_seed(3 * 1_000_003)).tolist()
+    assert [one(k) for k in range(5)] == [[i] for i in shuffle]          # batch 1: the epoch's shuffle
+    shapes = [("wide",)] * 5 + [("tall",)] * 2
+    two = MicroBatches(shapes, batch=2, seed=3)
+    assert two.per_epoch == 3 + 1                                        # 5 wide: 2 + 2 + 1, 2 tall: 2
+    for epoch in range(3):
+        groups = [two(epoch * two.per_epoch + j) for j in range(two.per_epoch)]
+        assert sorted(i for g in groups for i in g) == list(range(7))    # every item once an epoch
+        assert all(len(g) <= 2 and len({shapes[i] for i in g}) == 1 for g in groups)
+    assert [two(k) for k in range(4)] != [two(k) for k in range(4, 8)]   # a new shuffle each epoch
+
+
+def test_a_batch_of_two_is_the_mean_of_its_samples(comfy):
+    """micro_loss stacks latents and text contexts; each sample's loss is what it would be alone."""
+    from comfy_bridge import build_random
+    from ugpum.arch import get_spec
+    from ugpum.train.flow import flux2_image_seq_len, sample_timesteps
+    from ugpum.train.loop import loss_at, micro_loss, model_context
+    spec, config = get_spec("tiny-flux2"), cfg(resolution=64)
+    model = build_random(spec, torch.float32, seed=2)
+    g = torch.Generator().manual_seed(0)
+    latents = [torch.randn(128, 4, 4, generator=g) for _ in range(2)]
+    contexts = [torch.randn(n, spec.context_dim, generator=g) for n in (5, 9)]    # padded to one length
+    with torch.no_grad():
+        batched = micro_loss(model, spec, config, latents, contexts, 7, "cpu")
+        draws = torch.Generator().manual_seed((config.seed * 7_919 + 7) % 2**63)
+        noise = torch.randn(2, 128, 4, 4, generator=draws)
+        t = sample_timesteps(2, config.timesteps, draws, shift=config.shift, image_seq_len=flux2_image_seq_len(64, 64))
+        alone = [loss_at(model, spec, config, latents[i][None], noise[i:i + 1], t[i:i + 1],
+                         model_context(spec, contexts[i]), "cpu", config.weighting) for i in range(2)]
+    torch.testing.assert_close(batched, (alone[0] + alone[1]) / 2, rtol=1e-5, atol=1e-6)
+
+
+def test_batch_of_two_trains_and_is_planned_for(tmp_path):
+    result = train(cfg(steps=12, batch=2), tmp_path, **QUIET)
+    assert result.validation_after < result.validation_before
+    assert result.plan.workload["batch"] == 2
+    with pytest.raises(ConfigError, match="'batch' = 0"):
+        cfg(batch=0)
 
 
 def test_split_over_two_devices_gives_the_same_lora(tmp_path):

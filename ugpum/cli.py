@@ -118,6 +118,7 @@ def add_train_parser(sub) -> None:
     p.add_argument("--devices", help="auto, cuda:0,cuda:1 or cpu,cpu")
     p.add_argument("--steps", type=int)
     p.add_argument("--frames", type=int, help="Wan clips: frames from each clip's start (4k+1, e.g. 17 or 33)")
+    p.add_argument("--batch", type=int, help="samples per micro-batch (items of one bucket and text length)")
     p.add_argument("--grad-accum", type=int)
     p.add_argument("--schedule", choices=["auto", "sequential", "gpipe", "1f1b"],
                    help="order of the micro-batches over the stages (default auto: the best for the plan)")
@@ -129,7 +130,8 @@ def add_train_parser(sub) -> None:
 
 
 def train_config_from_args(args):
-    overrides = {"dataset": args.dataset, "steps": args.steps, "frames": args.frames, "grad_accum": args.grad_accum,
+    overrides = {"dataset": args.dataset, "steps": args.steps, "frames": args.frames, "batch": args.batch,
+                 "grad_accum": args.grad_accum,
                  "schedule": args.schedule, "devices": args.devices.split(",") if args.devices else None,
                  "stand_in_encoders": True if args.stand_in_encoders else None,
                  "sample_every": args.sample_every}

@@ -25,6 +25,7 @@ class TrainConfig:
     repeats: int = 1
     caption_dropout: float = 0.0
     steps: int = 50
+    batch: int = 1                        # samples per micro-batch (of one latent and text shape)
     grad_accum: int = 1                   # micro-batches per optimizer step
     lr: float = 1e-4
     lr_schedule: str = "constant"         # constant | cosine
@@ -66,7 +67,7 @@ class TrainConfig:
         frames_error = get_spec(self.model).frames_error(self.frames)
         need(not frames_error, "frames", frames_error)
         need(self.frame_stride >= 1, "frame_stride", "must be at least 1")
-        for name in ("repeats", "steps", "grad_accum", "rank"):
+        for name in ("repeats", "steps", "batch", "grad_accum", "rank"):
             need(getattr(self, name) >= 1, name, "must be at least 1")
         for name in ("warmup_steps", "save_every", "sample_every", "sample_steps", "max_grad_norm"):
             need(getattr(self, name) >= 0, name, "must not be negative")

@@ -30,7 +30,7 @@ class ImageItem:
     path: Path
     caption: str
     bucket: tuple[int, int]  # (width, height) in pixels, multiples of 16
-    batch_size: int = 1  # what the dataset asked for; training takes one item per micro-batch
+    batch_size: int = 1  # what the dataset asked for (1: the run's batch setting decides)
 
 
 Resolution = int | tuple[int, int]

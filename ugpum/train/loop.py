@@ -79,11 +79,33 @@ def resolve_devices(cfg: TrainConfig) -> list[Device]:
     return devices
 
 
-def micro_batch_item(k: int, n: int, seed: int) -> int:
-    """Which dataset item the k-th micro-batch uses: a fresh seeded shuffle every epoch."""
-    epoch, i = divmod(k, n)
-    g = torch.Generator().manual_seed((seed * 1_000_003 + epoch) % 2**63)
-    return int(torch.randperm(n, generator=g)[i])
+class MicroBatches:
+    """Which dataset items the k-th micro-batch takes. Every epoch is a fresh seeded shuffle; items
+    of one shape (latent and text tokens: one tensor stacks them) are grouped `batch` at a time in
+    the order they come, and a group left short at the epoch's end is a smaller micro-batch. With
+    batch 1 it is the shuffle itself."""
+
+    def __init__(self, shapes: list[tuple], batch: int, seed: int):
+        self.shapes, self.batch, self.seed = shapes, batch, seed
+        self._epoch, self._groups = -1, []
+        self.per_epoch = len(self._for_epoch(0))
+
+    def _for_epoch(self, epoch: int) -> list[list[int]]:
+        if epoch != self._epoch:
+            g = torch.Generator().manual_seed((self.seed * 1_000_003 + epoch) % 2**63)
+            filling: dict[tuple, list[int]] = {}
+            groups = []
+            for i in torch.randperm(len(self.shapes), generator=g).tolist():
+                group = filling.setdefault(self.shapes[i], [])
+                group.append(i)
+                if len(group) == self.batch:
+                    groups.append(filling.pop(self.shapes[i]))
+            self._epoch, self._groups = epoch, groups + list(filling.values())
+        return self._groups
+
+    def __call__(self, k: int) -> list[int]:
+        epoch, j = divmod(k, self.per_epoch)
+        return self._for_epoch(epoch)[j]
 
 
 def lr_factor(cfg: TrainConfig, step: int) -> float:
@@ -112,7 +134,8 @@ def model_context(spec, context: torch.Tensor) -> torch.Tensor:
 
 def loss_at(model, spec, cfg: TrainConfig, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor,
             context: torch.Tensor, first: str, weighting: str) -> torch.Tensor:
-    """The model's flow-matching loss for one sample noised to timestep t."""
+    """The model's flow-matching loss for samples x0 [B, ...] noised to timesteps t [B]; `context`:
+    the model's text input [B, L, C] (`model_context`)."""
     device = torch.device(first)
     extra = {}
     guidance = guidance_for(spec, cfg.guidance)           # FLUX.2 dev: without it ComfyUI skips the embedder
@@ -120,19 +143,21 @@ def loss_at(model, spec, cfg: TrainConfig, x0: torch.Tensor, noise: torch.Tensor
         extra["guidance"] = torch.full((x0.shape[0],), guidance, device=device)
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.autocast and device.type == "cuda"):
         pred = model(noisy(x0, noise, t).to(device), (t * spec.timestep_scale).to(device),
-                     model_context(spec, context).to(device), transformer_options={}, **extra)
+                     context.to(device), transformer_options={}, **extra)
     out = pred.device
     return flow_loss(pred.float(), x0.to(out), noise.to(out), t.to(out), weighting)
 
 
-def micro_loss(model, spec, cfg: TrainConfig, latent: torch.Tensor, context: torch.Tensor, k: int,
+def micro_loss(model, spec, cfg: TrainConfig, latents: list[torch.Tensor], contexts: list[torch.Tensor], k: int,
                first: str) -> torch.Tensor:
-    """Forward of the k-th micro-batch: its flow-matching loss (the caller runs backward)."""
+    """Forward of the k-th micro-batch (latents of one shape, contexts of one length): its
+    flow-matching loss, the mean over its samples (the caller runs backward)."""
     g = torch.Generator().manual_seed((cfg.seed * 7_919 + k) % 2**63)   # the same draws on any device
-    x0 = latent[None].float()
+    x0 = torch.stack([latent.float() for latent in latents])
     noise = torch.randn(x0.shape, generator=g)
     seq = flux2_image_seq_len(cfg.resolution, cfg.resolution)
-    t = sample_timesteps(1, cfg.timesteps, g, shift=cfg.shift, image_seq_len=seq)
+    t = sample_timesteps(len(latents), cfg.timesteps, g, shift=cfg.shift, image_seq_len=seq)
+    context = torch.cat([model_context(spec, c) for c in contexts])
     return loss_at(model, spec, cfg, x0, noise, t, context, first, cfg.weighting)
 
 
@@ -163,7 +188,8 @@ def validation_loss(model, spec, cfg: TrainConfig, latents, contexts, first: str
         x0 = latents[i][None].float()
         noise = torch.randn(x0.shape, generator=g)
         for t in VALIDATION_T:
-            total += loss_at(model, spec, cfg, x0, noise, torch.tensor([t]), contexts[i], first, "none").item()
+            total += loss_at(model, spec, cfg, x0, noise, torch.tensor([t]), model_context(spec, contexts[i]), first,
+                             "none").item()
             n += 1
     return total / n
 
@@ -233,7 +259,7 @@ def train(cfg: TrainConfig, out: str | Path, encoders: Encoders | None = None, m
 
     # 2. plan, then the placed model with its LoRA
     if plan is None:
-        w = Workload(width=cfg.resolution, height=cfg.resolution, frames=cfg.frames, rank=cfg.rank,
+        w = Workload(width=cfg.resolution, height=cfg.resolution, frames=cfg.frames, batch=cfg.batch, rank=cfg.rank,
                      checkpointing=cfg.checkpointing,
                      weight_dtype="bf16" if cfg.weight_dtype == "fp32" else cfg.weight_dtype,
                      text_tokens=model_context(spec, contexts[0]).shape[1])
@@ -274,6 +300,8 @@ def train(cfg: TrainConfig, out: str | Path, encoders: Encoders | None = None, m
     losses: list[float] = []
     step = start
     picks = validation_picks(items)
+    micro_batches = MicroBatches([(tuple(latent.shape), model_context(spec, context).shape[1])
+                                  for latent, context in zip(latents, contexts)], cfg.batch, cfg.seed)
     validation_before = validation_loss(model, spec, cfg, latents, contexts, first, picks)
     log(f"validation loss before: {validation_before:.4f}")
     samples: list[Path] = []
@@ -311,8 +339,9 @@ def train(cfg: TrainConfig, out: str | Path, encoders: Encoders | None = None, m
                 check_interrupt()
 
             def one(k: int) -> torch.Tensor:
-                i = micro_batch_item(k, len(items), cfg.seed)
-                return micro_loss(model, spec, cfg, latents[i], contexts[i], k, first) / cfg.grad_accum
+                picked = micro_batches(k)
+                return micro_loss(model, spec, cfg, [latents[i] for i in picked], [contexts[i] for i in picked],
+                                  k, first) / cfg.grad_accum
             ks = [step * cfg.grad_accum + j for j in range(cfg.grad_accum)]
             loss = sum(float(x) for x in accumulate(one, ks, schedule, layout, model))
             if cfg.max_grad_norm:

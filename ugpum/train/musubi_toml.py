@@ -8,8 +8,8 @@ guessing:
 - target_frames defaults to the run's frames (musubi-tuner: [1]). Every value must be 4k+1 (musubi-
   tuner rounds down) and at most the run's frames, the clip length the memory plan was made for. A
   clip shorter than a value is an error naming it (musubi-tuner skips that clip for that value).
-- Buckets may not exceed the area the run is planned for (resolution²); batch_size must be 1 (use
-  gradient accumulation).
+- Buckets may not exceed the area the run is planned for (resolution²); batch_size must be 1 (the
+  batch is the run's setting, which the memory plan is made for).
 - Of the frame extractions only "head"; the keys of the others (frame_stride, frame_sample,
   max_frames) are refused.
 - source_fps must be a whole multiple of Wan's 16 fps (16.0, 32.0, 48.0 ...): it becomes the frame
@@ -95,8 +95,9 @@ def load_musubi_toml(path: Path | str, trigger: str = "", family: str = "flux2",
             batch_size=_check_positive_int(settings["batch_size"], "batch_size", where),
         )
         if common["batch_size"] != 1:
-            raise DatasetError(f"{where}: batch_size = {common['batch_size']}: UGPUM trains one sample per "
-                               "micro-batch; set batch_size = 1 and raise gradient accumulation instead")
+            raise DatasetError(f"{where}: batch_size = {common['batch_size']}: UGPUM takes the batch from the run "
+                               "(the Partition Planner's batch, or --batch), which its memory plan is made for; "
+                               "remove batch_size or set it to 1")
         has_images, has_clips = "image_directory" in dataset, "video_directory" in dataset
         if has_images == has_clips:
             raise DatasetError(f"{where}: has both image_directory and video_directory; give each its own "
