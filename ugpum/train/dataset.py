@@ -203,6 +203,17 @@ def bucket_for(size: tuple[int, int], resolution: Resolution, no_upscale: bool, 
 # ---------------------------------------------------------------- loading a folder
 
 
+def checked_folder_settings(folder: Path, caption_ext, resolution, repeats, batch_size):
+    """("dataset folder <folder>", and the settings every dataset folder takes, checked); DatasetError
+    names the folder and the setting."""
+    where = f"dataset folder {folder}"
+    checked = (_check_caption_ext(caption_ext, where), _check_resolution(resolution, where),
+               _check_positive_int(repeats, "repeats", where), _check_positive_int(batch_size, "batch_size", where))
+    if not folder.is_dir():
+        raise DatasetError(f"{where} does not exist or is not a folder; check the path")
+    return (where, *checked)
+
+
 def load_image_folder(
     folder: Path | str,
     caption_ext: str = ".txt",
@@ -219,14 +230,8 @@ def load_image_folder(
     not already contain it. Without bucketing every image is cropped to `resolution`.
     """
     folder = Path(folder)
-    where = f"dataset folder {folder}"
-    caption_ext = _check_caption_ext(caption_ext, where)
-    resolution = _check_resolution(resolution, where)
-    repeats = _check_positive_int(repeats, "repeats", where)
-    batch_size = _check_positive_int(batch_size, "batch_size", where)
-    if not folder.is_dir():
-        raise DatasetError(f"{where} does not exist or is not a folder; check the path")
-
+    where, caption_ext, resolution, repeats, batch_size = checked_folder_settings(
+        folder, caption_ext, resolution, repeats, batch_size)
     image_paths = _list_images(folder)
     if not image_paths:
         raise DatasetError(

@@ -20,9 +20,9 @@ from typing import Iterator
 import torch
 from PIL import Image
 
-from .dataset import (DatasetError, ImageItem, Resolution, _check_caption_ext,
-                      _check_positive_int, _check_resolution, _list_images, _open_rgb, _read_caption, _with_trigger,
-                      bucket_for, fit_to_bucket, fixed_bucket, load_image_folder)
+from .dataset import (DatasetError, ImageItem, Resolution, _check_positive_int, _list_images, _open_rgb,
+                      _read_caption, _with_trigger, bucket_for, checked_folder_settings, fit_to_bucket,
+                      fixed_bucket, load_image_folder)
 
 VIDEO_EXTENSIONS = (".mp4", ".webm", ".mkv", ".mov")
 
@@ -210,15 +210,10 @@ def clip_items(
     any training work starts. Its bucket is chosen from its first frame like an image's (or, without
     bucketing, `resolution` exactly).
     """
-    where = f"dataset folder {folder}"
+    where, caption_ext, resolution, repeats, batch_size = checked_folder_settings(
+        folder, caption_ext, resolution, repeats, batch_size)
     frames = check_frames(frames, where)
     stride = _check_positive_int(stride, "frame stride", where)
-    caption_ext = _check_caption_ext(caption_ext, where)
-    resolution = _check_resolution(resolution, where)
-    repeats = _check_positive_int(repeats, "repeats", where)
-    batch_size = _check_positive_int(batch_size, "batch_size", where)
-    if not folder.is_dir():
-        raise DatasetError(f"{where} does not exist or is not a folder; check the path")
     clips = list_clips(folder)
     if not clips:
         raise DatasetError(f"{where} holds no clips ({', '.join(VIDEO_EXTENSIONS)} files or folders of "
