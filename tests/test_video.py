@@ -324,7 +324,8 @@ def test_musubi_video_dataset_gives_each_clips_head_per_target_frames(tmp_path):
     ('video_jsonl_file = "m.jsonl"\n', "'video_jsonl_file': metadata JSONL files are not supported"),
     ("source_fps = inf\n", "source_fps must be a frame rate"),
     ("target_frames = [9]\nsource_fps = 48.0\n", "bar.mp4 has 20 frame\\(s\\), but training takes 9 frames at stride 3 \\(25 "
-     "frames\\) from its start; set .*clips.toml \\[\\[datasets\\]\\] #1's target_frames to 5 or fewer"),
+     "frames\\) from its start; set .*clips.toml \\[\\[datasets\\]\\] #1's target_frames to 5 or fewer, lower "
+     ".*clips.toml \\[\\[datasets\\]\\] #1's source_fps"),
 ])
 def test_musubi_video_dataset_problems_name_the_toml_and_the_fix(tmp_path, body, message):
     config = video_toml(tmp_path, body)

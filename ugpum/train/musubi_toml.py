@@ -147,7 +147,10 @@ def _video_dataset(path: Path, settings: dict, where: str, common: dict, family:
     if extraction != "head":
         raise DatasetError(f"{where}: frame_extraction = {extraction!r}: UGPUM takes each clip's first frames "
                            "(\"head\") only; set frame_extraction = \"head\" or remove it")
-    stride = _stride_from_fps(settings["source_fps"], where) if "source_fps" in settings else stride
+    if "source_fps" in settings:
+        stride, stride_setting = _stride_from_fps(settings["source_fps"], where), f"{where}'s source_fps"
+    else:
+        stride_setting = "the frame stride"
     if "target_frames" not in settings and frames == 1:
         raise DatasetError(f"{where}: a video_directory, but this run's frames is 1; set frames to 4k+1 (e.g. 17) "
                            "to train on clips, or target_frames = [1] to train on their first frames")
@@ -161,7 +164,7 @@ def _video_dataset(path: Path, settings: dict, where: str, common: dict, family:
             raise DatasetError(f"{where}: target_frames holds {target}, more than the {frames} frames this run "
                                f"is planned for; set frames to {target} (Partition Planner, or --frames), or "
                                "lower target_frames")
-        items += clip_items(folder, target, stride, **common, frames_setting=f"{where}'s target_frames")
+        items += clip_items(folder, target, stride, **common, settings=(f"{where}'s target_frames", stride_setting))
     return items
 
 

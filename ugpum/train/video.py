@@ -122,9 +122,11 @@ def _all_frames(source: Path) -> Iterator[Image.Image]:
     return _folder_frames(source) if source.is_dir() else _video_frames(source)
 
 
-def read_frames(source: Path, frames: int, stride: int = 1, setting: str = "frames") -> list[Image.Image]:
+def read_frames(source: Path, frames: int, stride: int = 1, settings: tuple[str, str] = ("frames", "the frame stride")
+                ) -> list[Image.Image]:
     """`frames` frames from the start of a clip (frame 0, stride, 2 stride, ...); DatasetError when the
-    clip is shorter, naming how many frames it has and what to change (`setting`: where frames is set)."""
+    clip is shorter, naming how many frames it has and what to change (`settings`: where the frames and
+    the stride are set)."""
     needed = 1 + (frames - 1) * stride
     taken, count = [], 0
     with contextlib.closing(_all_frames(source)) as decoded:      # stop decoding (and close the file) early
@@ -137,9 +139,9 @@ def read_frames(source: Path, frames: int, stride: int = 1, setting: str = "fram
     kind = "frame folder" if source.is_dir() else "video"
     per_clip = f"{frames} frames" + (f" at stride {stride} ({needed} frames)" if stride > 1 else "")
     fits = 1 + (max(count - 1, 0) // stride) // 4 * 4                 # the most 4k+1 frames it holds
-    hint = f"set {setting} to {fits} or fewer" if fits >= 5 else "use a longer clip"
+    hint = f"set {settings[0]} to {fits} or fewer" if fits >= 5 else "use a longer clip"
     raise DatasetError(f"{kind} {source} has {count} frame(s), but training takes {per_clip} from its start; "
-                       f"{hint}{', lower the frame stride' if stride > 1 else ''}, or remove the clip")
+                       f"{hint}{f', lower {settings[1]}' if stride > 1 else ''}, or remove the clip")
 
 
 def load_bucketed_clip(item: ClipItem) -> torch.Tensor:
@@ -201,7 +203,7 @@ def clip_items(
     batch_size: int = 1,
     enable_bucket: bool = True,
     bucket_no_upscale: bool = False,
-    frames_setting: str = "frames",
+    settings: tuple[str, str] = ("frames", "the frame stride"),
 ) -> list[ClipItem]:
     """The clips (video files and frame folders) in `folder`, each giving its first `frames` frames.
 
@@ -226,7 +228,7 @@ def clip_items(
             raise DatasetError(f"clip {clip} has no caption file {caption_path.name}; "
                                "add one (it may be empty) or remove the clip")
         caption = _with_trigger(_read_caption(caption_path), trigger)
-        first = read_frames(clip, frames, stride, frames_setting)[0]
+        first = read_frames(clip, frames, stride, settings)[0]
         bucket = fixed or bucket_for(first.size, resolution, bucket_no_upscale, f"clip {clip}")
         items.extend(ClipItem(clip, caption, bucket, batch_size, frames, stride) for _ in range(repeats))
     return items
