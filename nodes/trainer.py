@@ -183,6 +183,10 @@ class LoRATrainer(io.ComfyNode):
                 io.Int.Input("frame_stride", default=1, min=1, max=16, optional=True, display_name="frame stride",
                              tooltip="Wan clips: take every Nth frame from a clip's start (2: half the frame "
                                      "rate, twice the time span; a clip then needs 1 + (frames-1) x N frames)."),
+                io.Boolean.Input("resume", default=False, optional=True,
+                                 tooltip="Continue from the last checkpoint of this save name's run "
+                                         "(output/ugpum/<save name>/checkpoints): after Cancel or a crash, or "
+                                         "to train on to a higher step count. Off: start over."),
             ],
             outputs=[
                 LORA_MODEL.Output("LORA_MODEL", display_name="lora",
@@ -198,11 +202,12 @@ class LoRATrainer(io.ComfyNode):
     @classmethod
     def execute(cls, model: UGPUMModel, plan: UGPUMPlan, dataset: str, trigger_word: str, steps: int,
                 learning_rate: float, alpha: float, seed: int, sample_prompt: str, sample_every: int,
-                save_name: str, clip=None, vae=None, frame_stride: int = 1) -> io.NodeOutput:
+                save_name: str, clip=None, vae=None, frame_stride: int = 1, resume: bool = False) -> io.NodeOutput:
         import comfy.model_management as mm
         import comfy.utils
         from comfy_bridge import comfy_training_mode
         from ugpum.report import loss_curve
+        from ugpum.train.checkpoint import latest_checkpoint
         from ugpum.train.loop import train
 
         from .comfy_glue import WEIGHT_TORCH_DTYPES, build_meta_model, free_comfy_memory, pil_to_image
@@ -217,6 +222,7 @@ class LoRATrainer(io.ComfyNode):
             cfg = make_config(model, plan, data, trigger_word, steps, learning_rate, alpha, seed,
                               sample_prompt, sample_every, save_name, frame_stride)
             encoders = make_encoders(model, clip, vae, cfg.devices)
+        resumed = resume and latest_checkpoint(out) is not None        # nothing saved yet: start over
         bar = comfy.utils.ProgressBar(steps)
         t_start = time.perf_counter()
 
@@ -232,7 +238,7 @@ class LoRATrainer(io.ComfyNode):
                 hooks["on_sample"] = lambda step, image: bar.update_absolute(     # live preview on the node
                     step, steps, preview=("JPEG", image.convert("RGB"), 512))
                 result = train(cfg, out, encoders=encoders, model=module, key_prefix=model.key_prefix,
-                               plan=plan.plan, **hooks)
+                               plan=plan.plan, resume=resumed, **hooks)
         except BaseException as exc:            # (train() has released the encoders, split or not)
             if is_interruption(exc):          # Cancel: the engine saved <name>_step<N>; list it with the LoRAs
                 partial = sorted(out.glob(f"{cfg.output_name}_step*.safetensors"), key=lambda p: p.stat().st_mtime)
@@ -244,6 +250,10 @@ class LoRATrainer(io.ComfyNode):
         curve = pil_to_image([loss_curve(result.losses)])
         samples = _samples_image(result.samples)
         steps_done = f"{result.steps_done} step{'' if result.steps_done == 1 else 's'}"
+        if resumed:
+            steps_done += f" (resumed at step {result.resumed_at})"
+        elif resume:
+            steps_done += " (no checkpoint to resume from: started over)"
         summary = (f"saved {lora_name}: {steps_done}, validation loss "
                    f"{result.validation_before:.4f} -> {result.validation_after:.4f}; run folder {out}")
         return io.NodeOutput(lora, lora_name, curve, samples, ui=ui.PreviewText(summary))

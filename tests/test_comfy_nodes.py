@@ -40,7 +40,7 @@ NODE_CONTRACT = {
         required={"model": "UGPUM_MODEL", "plan": "UGPUM_PLAN", "dataset": "COMBO", "trigger_word": "STRING",
                   "steps": "INT", "learning_rate": "FLOAT", "alpha": "FLOAT", "seed": "INT",
                   "sample_prompt": "STRING", "sample_every": "INT", "save_name": "STRING"},
-        optional={"clip": "CLIP", "vae": "VAE", "frame_stride": "INT"},
+        optional={"clip": "CLIP", "vae": "VAE", "frame_stride": "INT", "resume": "BOOLEAN"},
         outputs=[("LORA_MODEL", "lora"), ("STRING", "lora file"), ("IMAGE", "loss curve"),
                  ("IMAGE", "before / after")], output_node=True),
     "UGPUMSamplePreview": dict(
@@ -331,6 +331,13 @@ def test_cancel_during_training_saves_a_loadable_lora(server):
     step = int(saved[-1].stem.rsplit("step", 1)[1])
     assert step >= 2 and load_lora(saved[-1])
     assert list((metrics.parent / "checkpoints").iterdir()), "no checkpoint to resume from"
+    # queued again with resume on: it continues from that checkpoint, two steps further
+    prompt = tiny_training_prompt("tiny_cancel", steps=step + 2)
+    prompt["3"]["inputs"]["resume"] = True
+    entry = server.run(prompt, timeout=300)
+    assert_success(entry, server)
+    assert f"saved ugpum/tiny_cancel.safetensors: {step + 2} steps (resumed at step {step})" in ui_text(entry, "3")
+    assert [json.loads(l)["step"] for l in metrics.read_text().splitlines()] == list(range(1, step + 3))
 
 
 # ------------------------------------------------------------------------------------ workflow

@@ -57,6 +57,7 @@ class TrainResult:
     peak_gib: dict[str, float] = field(default_factory=dict)
     samples: list[Path] = field(default_factory=list)
     sample_grid: Path | None = None
+    resumed_at: int = 0                   # the checkpoint's step a resumed run started from
 
 
 def load_items(cfg: TrainConfig) -> list[ImageItem]:
@@ -383,4 +384,4 @@ def train(cfg: TrainConfig, out: str | Path, encoders: Encoders | None = None, m
             grid([("before", [before.copy()]), (f"after {step}", [after.copy()])]).save(grid_path)
     release()
     return TrainResult(lora_path, step, losses, plan, cache.hits, cache.misses, validation_before,
-                       validation_after, peak, samples, grid_path)
+                       validation_after, peak, samples, grid_path, resumed_at=start)
