@@ -291,11 +291,12 @@ def test_sample_preview_renders_a_wan_clip_as_frames(server):
 
 def test_the_planners_batch_reaches_the_trainer(server):
     prompt = {"1": loader(TINY_FILE), "2": planner(["1", 0], resolution=64, rank=4, batch=2),
-              "3": trainer("tiny_batch2", 2)}
+              "3": trainer("tiny_batch2", 2, resume=True)}                 # a first run: nothing to resume
     entry = server.run(prompt, timeout=300)
     assert_success(entry, server)
     assert ui_text(entry, "2").startswith("tiny-flux2  64x64  batch 2")
-    assert "saved ugpum/tiny_batch2.safetensors: 2 steps" in ui_text(entry, "3")
+    assert ("saved ugpum/tiny_batch2.safetensors: 2 steps (no checkpoint to resume from: started over)"
+            in ui_text(entry, "3"))
 
 
 def test_trainer_takes_every_nth_clip_frame(server):
