@@ -188,9 +188,9 @@ def validation_loss(model, spec, cfg: TrainConfig, latents, contexts, first: str
         g = torch.Generator().manual_seed(10_007 + seed)
         x0 = latents[i][None].float()
         noise = torch.randn(x0.shape, generator=g)
+        context = model_context(spec, contexts[i])
         for t in VALIDATION_T:
-            total += loss_at(model, spec, cfg, x0, noise, torch.tensor([t]), model_context(spec, contexts[i]), first,
-                             "none").item()
+            total += loss_at(model, spec, cfg, x0, noise, torch.tensor([t]), context, first, "none").item()
             n += 1
     return total / n
 
