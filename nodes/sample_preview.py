@@ -58,16 +58,18 @@ class SamplePreview(io.ComfyNode):
         if plan.model.path != model.path:
             raise UGPUMError(f"{NODE}: the plan was made for {plan.model.file_name}, not {model.file_name}; "
                              "connect the same UGPUM Loader to the Partition Planner and this node.")
-        frames = frames or plan.workload.frames
+        frames = frames or plan.config.frames
         if model.spec.frames_error(frames):
             raise UGPUMError(f"{NODE}: frames = {frames}: {model.spec.frames_error(frames)}.")
         from ugpum.preview import render_on_plan
         from ugpum.report import to_pil
 
-        from .comfy_glue import WEIGHT_TORCH_DTYPES, build_meta_model, free_comfy_memory, pil_to_image
+        from ugpum.dtypes import TORCH_DTYPES, training_dtype
+
+        from .comfy_glue import build_meta_model, free_comfy_memory, pil_to_image
         from .trainer import make_encoders
 
-        dtype = WEIGHT_TORCH_DTYPES[{"fp16": "bf16"}.get(model.weight_dtype, model.weight_dtype)]
+        dtype = TORCH_DTYPES[training_dtype(model.weight_dtype)]
         with user_errors(NODE), torch.inference_mode(False):
             free_comfy_memory()
             encoders = make_encoders(model, clip, vae)

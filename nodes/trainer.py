@@ -2,6 +2,7 @@
 a loss curve and before/after samples. Saves into ComfyUI's loras/ugpum/."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -13,11 +14,12 @@ import torch
 from comfy_api.latest import io, ui
 from PIL import Image
 
+from ugpum.devices import CPU_TRAINABLE_PARAMS
+from ugpum.train.flow import TIMESTEP_METHODS
 from ugpum.train.dataset import IMAGE_EXTENSIONS
 from ugpum.train.video import folder_has_clips
 
-from .errors import UGPUMError, is_interruption, user_errors
-from .planner import CPU_FALLBACK_MAX_PARAMS
+from .errors import UGPUMError, user_errors
 from .types import LORA_MODEL, UGPUM_MODEL, UGPUM_PLAN, UGPUMModel, UGPUMPlan
 
 log = logging.getLogger("ugpum")
@@ -90,7 +92,7 @@ def make_encoders(model: UGPUMModel, clip, vae, devices=None):
     if clip is not None and vae is not None:
         from .comfy_glue import ComfyEncoders
         return ComfyEncoders(clip, vae, model.family, devices=devices)
-    if model.spec.params <= CPU_FALLBACK_MAX_PARAMS:
+    if model.spec.params <= CPU_TRAINABLE_PARAMS:
         from ugpum.train.encoders import StandInEncoders
         return StandInEncoders(model.spec)
     missing = " and ".join(n for n, v in (("clip", clip), ("vae", vae)) if v is None)
@@ -100,28 +102,20 @@ def make_encoders(model: UGPUMModel, clip, vae, devices=None):
 
 def make_config(model: UGPUMModel, plan: UGPUMPlan, dataset: Path, trigger_word: str, steps: int,
                 learning_rate: float, alpha: float, seed: int, sample_prompt: str, sample_every: int,
-                save_name: str, frame_stride: int = 1):
-    """The one TrainConfig (ugpum/train/config.py) from the node's inputs and the plan."""
-    from ugpum.train.config import load_config
-    w = plan.workload
-    devices = [d.torch_device for d in plan.devices]
-    if any(d is None for d in devices):
-        raise UGPUMError(f"{NODE}: the plan is for hand-described devices "
-                         f"({', '.join(d.label for d in plan.devices if d.torch_device is None)}); training "
-                         "needs this machine's GPUs: set the UGPUM Loader's devices to 'auto' or cuda:N.")
-    weight_dtype = {"fp16": "bf16"}.get(model.weight_dtype, model.weight_dtype)
-    return load_config(overrides=dict(
-        model=model.model_id, model_file=model.path, dataset=str(dataset), trigger=trigger_word.strip(),
-        resolution=w.width, frames=w.frames, frame_stride=frame_stride, steps=steps, batch=w.batch,
-        grad_accum=plan.grad_accum, lr=learning_rate,
-        rank=w.rank, alpha=alpha, seed=seed % 2**32, checkpointing=w.checkpointing, weight_dtype=weight_dtype,
-        devices=devices, sample_every=sample_every, sample_prompt=sample_prompt.strip(),
-        output_name=save_name.strip().removesuffix(".safetensors")))
+                save_name: str, frame_stride: int = 1, timesteps: str = "auto"):
+    """The Planner's TrainConfig (ugpum/train/config.py) with this node's settings added."""
+    from ugpum.devices import check_trainable
+    check_trainable(list(plan.devices), model.spec)
+    return dataclasses.replace(
+        plan.config, dataset=str(dataset), trigger=trigger_word.strip(), frame_stride=frame_stride, steps=steps,
+        lr=learning_rate, alpha=alpha, seed=seed % 2**32, sample_every=sample_every,
+        sample_prompt=sample_prompt.strip(), output_name=save_name.strip().removesuffix(".safetensors"),
+        timesteps=timesteps, devices=[d.torch_device for d in plan.devices], schedule=plan.plan.schedule).validate()
 
 
 def _publish(src: Path, dest: Path) -> None:
     """Copy a LoRA file into models/loras/ugpum/ (via a temporary name, so loaders never see half a file)."""
-    from ugpum.atomic import atomic_path
+    from ugpum.formats.atomic import atomic_path
     dest.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(dest) as tmp:
         shutil.copyfile(src, tmp)
@@ -187,6 +181,11 @@ class LoRATrainer(io.ComfyNode):
                                  tooltip="Continue from the last checkpoint of this save name's run "
                                          "(output/ugpum/<save name>/checkpoints): after Cancel or a crash, or "
                                          "to train on to a higher step count. Off: start over."),
+                io.Combo.Input("timesteps", options=["auto", *TIMESTEP_METHODS], default="auto", optional=True,
+                               display_name="timestep sampling",
+                               tooltip="How training draws noise levels. auto: FLUX.2 flux2_shift (musubi-tuner's "
+                                       "FLUX.2 default, per bucket size), Wan shift 3. flux2: BFL's sampling shift "
+                                       "(noisier); uniform, logit_normal/sigmoid, shift: the classic schemes."),
             ],
             outputs=[
                 LORA_MODEL.Output("LORA_MODEL", display_name="lora",
@@ -202,15 +201,17 @@ class LoRATrainer(io.ComfyNode):
     @classmethod
     def execute(cls, model: UGPUMModel, plan: UGPUMPlan, dataset: str, trigger_word: str, steps: int,
                 learning_rate: float, alpha: float, seed: int, sample_prompt: str, sample_every: int,
-                save_name: str, clip=None, vae=None, frame_stride: int = 1, resume: bool = False) -> io.NodeOutput:
+                save_name: str, clip=None, vae=None, frame_stride: int = 1, resume: bool = False,
+                timesteps: str = "auto") -> io.NodeOutput:
         import comfy.model_management as mm
         import comfy.utils
         from comfy_bridge import comfy_training_mode
+        from ugpum.dtypes import TORCH_DTYPES
         from ugpum.report import loss_curve
         from ugpum.train.checkpoint import latest_checkpoint
         from ugpum.train.loop import train
 
-        from .comfy_glue import WEIGHT_TORCH_DTYPES, build_meta_model, free_comfy_memory, pil_to_image
+        from .comfy_glue import build_meta_model, free_comfy_memory, pil_to_image
 
         if plan.model.path != model.path:
             raise UGPUMError(f"{NODE}: the plan was made for {plan.model.file_name}, not {model.file_name}; "
@@ -220,7 +221,7 @@ class LoRATrainer(io.ComfyNode):
         out = run_folder(save_name)
         with user_errors(NODE):
             cfg = make_config(model, plan, data, trigger_word, steps, learning_rate, alpha, seed,
-                              sample_prompt, sample_every, save_name, frame_stride)
+                              sample_prompt, sample_every, save_name, frame_stride, timesteps)
             encoders = make_encoders(model, clip, vae, cfg.devices)
         resumed = resume and latest_checkpoint(out) is not None        # nothing saved yet: start over
         bar = comfy.utils.ProgressBar(steps)
@@ -228,23 +229,18 @@ class LoRATrainer(io.ComfyNode):
 
         def report(message) -> None:
             log.info("UGPUM %.1fs: %s", time.perf_counter() - t_start, str(message).strip())
-        try:
-            # ComfyUI runs nodes under torch.inference_mode(); training needs autograd back
-            with user_errors(NODE), comfy_training_mode(), torch.inference_mode(False), torch.enable_grad():
-                free_comfy_memory()
-                module = build_meta_model(model.spec, WEIGHT_TORCH_DTYPES[cfg.weight_dtype])
-                hooks = dict(on_step=lambda step, total, loss: bar.update_absolute(step, total),
-                             check_interrupt=mm.throw_exception_if_processing_interrupted, log=report)
-                hooks["on_sample"] = lambda step, image: bar.update_absolute(     # live preview on the node
-                    step, steps, preview=("JPEG", image.convert("RGB"), 512))
-                result = train(cfg, out, encoders=encoders, model=module, key_prefix=model.key_prefix,
-                               plan=plan.plan, resume=resumed, **hooks)
-        except BaseException as exc:            # (train() has released the encoders, split or not)
-            if is_interruption(exc):          # Cancel: the engine saved <name>_step<N>; list it with the LoRAs
-                partial = sorted(out.glob(f"{cfg.output_name}_step*.safetensors"), key=lambda p: p.stat().st_mtime)
-                if partial:
-                    _publish(partial[-1], dest.with_name(partial[-1].name))
-            raise
+        # ComfyUI runs nodes under torch.inference_mode(); training needs autograd back
+        with user_errors(NODE), comfy_training_mode(), torch.inference_mode(False), torch.enable_grad():
+            free_comfy_memory()
+            module = build_meta_model(model.spec, TORCH_DTYPES[cfg.weight_dtype])
+            hooks = dict(on_step=lambda step, total, loss: bar.update_absolute(step, total),
+                         check_interrupt=mm.throw_exception_if_processing_interrupted, log=report,
+                         # a run that stops early (Cancel, an error): list its LoRA so far with the LoRAs
+                         on_partial_lora=lambda path: _publish(path, dest.with_name(path.name)))
+            hooks["on_sample"] = lambda step, image: bar.update_absolute(     # live preview on the node
+                step, steps, preview=("JPEG", image.convert("RGB"), 512))
+            result = train(cfg, out, encoders=encoders, model=module, key_prefix=model.key_prefix,
+                           plan=plan.plan, resume=resumed, **hooks)
         _publish(result.lora_path, dest)
         lora = comfy.utils.load_torch_file(str(dest), safe_load=True)
         curve = pil_to_image([loss_curve(result.losses)])

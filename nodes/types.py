@@ -7,9 +7,10 @@ from dataclasses import dataclass
 
 from comfy_api.latest import io
 
-from ugpum.arch import ArchSpec, Workload
+from ugpum.arch import ArchSpec
 from ugpum.devices import Device
 from ugpum.plan import Plan
+from ugpum.train.config import TrainConfig
 
 UGPUM_MODEL = io.Custom("UGPUM_MODEL")
 UGPUM_PLAN = io.Custom("UGPUM_PLAN")
@@ -47,14 +48,10 @@ class UGPUMModel:
 
 @dataclass(frozen=True)
 class UGPUMPlan:
-    """A plan and everything it was made from, so later nodes never re-derive it."""
+    """A plan and everything it was made from, so later nodes never re-derive it: `config` holds the
+    planning settings (the Trainer adds its own to the same TrainConfig), `plan` is what trains."""
     model: UGPUMModel
     plan: Plan
     devices: tuple[Device, ...]
-    workload: Workload
-    grad_accum: int
+    config: TrainConfig
     report: str                 # the forecast as the Planner shows it
-
-    @property
-    def rank(self) -> int:
-        return self.workload.rank

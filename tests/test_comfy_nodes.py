@@ -1,4 +1,4 @@
-"""The node pack inside a real ComfyUI server (tests/comfy_server.py): it imports cleanly, /object_info
+"""The node pack inside a real ComfyUI server (tests/support/comfy_server.py): it imports cleanly, /object_info
 shows the four nodes as declared, Loader -> Planner runs on real-format files, errors reach the user
 as sentences, and every bundled workflow only uses nodes and widget values the server accepts."""
 from __future__ import annotations
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from comfy_server import PACK_DIR_NAME, REPO, comfy_server_factory, execution_error  # noqa: F401  (fixture)
-from comfy_models import flux2_state_dict_keys, wan_state_dict_keys
+from support.comfy_server import PACK_DIR_NAME, REPO, comfy_server_factory, execution_error  # noqa: F401  (fixture)
+from support.comfy_models import flux2_state_dict_keys, wan_state_dict_keys
 
 WORKFLOWS = sorted((REPO / "example_workflows").glob("*.json"))
 WAN14B_FP8_FILE = "wan2.1_t2v_14B_fp8_scaled.safetensors"     # header only, sparse (workflow server)
@@ -34,13 +34,13 @@ NODE_CONTRACT = {
     "UGPUMPartitionPlanner": dict(
         required={"model": "UGPUM_MODEL", "resolution": "INT", "batch": "INT", "grad_accum": "INT",
                   "rank": "INT", "checkpointing": "COMBO"},
-        optional={"frames": "INT", "manual_split": "STRING"},
+        optional={"frames": "INT", "schedule": "COMBO", "manual_split": "STRING"},
         outputs=[("UGPUM_PLAN", "plan"), ("STRING", "report")], output_node=True),
     "UGPUMLoRATrainer": dict(
         required={"model": "UGPUM_MODEL", "plan": "UGPUM_PLAN", "dataset": "COMBO", "trigger_word": "STRING",
                   "steps": "INT", "learning_rate": "FLOAT", "alpha": "FLOAT", "seed": "INT",
                   "sample_prompt": "STRING", "sample_every": "INT", "save_name": "STRING"},
-        optional={"clip": "CLIP", "vae": "VAE", "frame_stride": "INT", "resume": "BOOLEAN"},
+        optional={"clip": "CLIP", "vae": "VAE", "frame_stride": "INT", "resume": "BOOLEAN", "timesteps": "COMBO"},
         outputs=[("LORA_MODEL", "lora"), ("STRING", "lora file"), ("IMAGE", "loss curve"),
                  ("IMAGE", "before / after")], output_node=True),
     "UGPUMSamplePreview": dict(
@@ -65,7 +65,7 @@ def write_tiny(path: Path, model_id: str = "tiny-flux2", dtype: torch.dtype = to
     """A real-format tiny model file: ComfyUI's own module's state dict, seeded random values."""
     from comfy_bridge import build_meta, init_random
     from ugpum.arch import get_spec
-    from ugpum.safetensors_writer import write_streaming
+    from ugpum.formats.safetensors_writer import write_streaming
 
     module = build_meta(get_spec(model_id), torch.float32).to_empty(device="cpu")
     init_random(module, seed)
@@ -194,6 +194,50 @@ def test_planner_forecasts_klein9b_for_described_gpus(server):
     assert report.startswith("flux2-klein-base-9b  1024x1024  batch 1  grad-accum 4  rank 16  fp8")
     assert report.count("rtx4090") >= 3                       # two stages + the one-GPU swap line
     assert "Split over 2 devices" in report and "one GPU with swap" in report
+
+
+@pytest.mark.parametrize("schedule", ["auto", "sequential", "gpipe", "1f1b"])
+def test_planner_node_and_command_line_plan_alike(server, capsys, schedule):
+    """The same inputs give the same plan (memory with the micro-batches in flight included): the
+    Partition Planner's report equals `python -m ugpum plan`'s for two described RTX 4090s."""
+    from ugpum.commands import main
+    entry = server.run({"1": loader(KLEIN_BASE_FILE, devices="rtx4090, rtx4090"),
+                        "2": planner(["1", 0], grad_accum=4, schedule=schedule)}, timeout=90)
+    assert_success(entry, server)
+    path = server.models / "diffusion_models" / KLEIN_BASE_FILE
+    assert main(["plan", "--model", str(path), "--gpu", "rtx4090", "--gpu", "rtx4090", "--grad-accum", "4",
+                 "--dtype", "fp8", "--schedule", schedule]) == 0
+    cli = capsys.readouterr().out.strip()
+    assert ui_text(entry, "2").strip() == cli
+    if schedule != "auto":
+        assert f"micro-batch schedule: {schedule}" in cli
+
+
+def _plan_without_budgets(path: Path) -> dict:
+    """A run's plan.json, less what is read off the host's free memory at that moment."""
+    plan = json.loads(path.read_text())
+    for stage in plan["stages"]:
+        stage.pop("budget_gib")
+    return plan
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_trainer_node_and_command_line_train_the_same_plan(server, tmp_path, schedule):
+    """Two CPU stages, 4 micro-batches: the plan the Trainer node trained with (its run folder's
+    plan.json) is the one `python -m ugpum train` trains with for the same settings."""
+    from ugpum.commands import main
+    prompt = {"1": loader(TINY_FILE, devices="cpu, cpu"),
+              "2": planner(["1", 0], resolution=64, rank=4, grad_accum=4, schedule=schedule),
+              "3": trainer(f"tiny_plan_{schedule}", 1)}
+    entry = server.run(prompt, timeout=300)
+    assert_success(entry, server)
+    node_plan = _plan_without_budgets(server.output_dir / "ugpum" / f"tiny_plan_{schedule}" / "plan.json")
+    out = tmp_path / "cli"
+    assert main(["train", "--profile", "tiny-flux2", "--dataset", str(REPO / "demo_datasets" / "loranne"),
+                 "--devices", "cpu,cpu", "--grad-accum", "4", "--schedule", schedule, "--steps", "1",
+                 "--sample-every", "0", "--out", str(out)]) == 0
+    assert (node_plan["schedule"], node_plan["in_flight"]) == (schedule, 4 if schedule == "gpipe" else 2)
+    assert node_plan == _plan_without_budgets(out / "plan.json")
 
 
 def test_loader_names_missing_companion_files_and_the_download_command(server):

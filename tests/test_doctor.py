@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from ugpum import devices, doctor
+from ugpum import devices
+from ugpum.commands import doctor
 from ugpum.devices import GIB, Device
 
 

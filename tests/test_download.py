@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from ugpum import download as dl
+from ugpum.commands import download as dl
 from ugpum import models_catalog as catalog
 from ugpum.arch import get_spec
-from ugpum.download import AccessDenied, LocalFileSource, NoNetwork, Remote, VerifyError, fetch_file
+from ugpum.commands.download import AccessDenied, LocalFileSource, NoNetwork, Remote, VerifyError, fetch_file
 
 LOOPBACK = {"127.0.0.1", "::1", "localhost"}
 MiB = 2**20

@@ -102,7 +102,7 @@ def test_flux2_mu_rejects_nonsense():
 # ---------------------------------------------------------------- sampling
 
 
-@pytest.mark.parametrize("method", ["uniform", "logit_normal", "shift", "flux2"])
+@pytest.mark.parametrize("method", ["uniform", "logit_normal", "sigmoid", "shift", "flux2", "flux2_shift"])
 def test_samples_lie_in_unit_interval(method):
     g = torch.Generator().manual_seed(0)
     t = sample_timesteps(10000, method, g, image_seq_len=4096)
@@ -127,6 +127,20 @@ def test_sampler_distributions():
     small = draw("flux2", image_seq_len=256, num_steps=200)
     large = draw("flux2", image_seq_len=8192)
     assert large.mean() > small.mean() > logit.mean()
+
+
+def test_flux2_shift_is_musubi_tuners_default_per_bucket():
+    """musubi-tuner's FLUX.2 default: median sigma 0.76 and 2.3 % below 0.3 at 1024² (4096 tokens),
+    against 0.88 and 0.2 % for BFL's sampling mu; a smaller bucket is shifted less."""
+    def draw(method, tokens):
+        return sample_timesteps(200_000, method, torch.Generator().manual_seed(5), image_seq_len=tokens)
+    musubi, bfl = draw("flux2_shift", 4096), draw("flux2", 4096)
+    assert abs(musubi.median() - 0.76) < 0.005 and abs((musubi < 0.3).float().mean() - 0.023) < 0.003
+    assert abs(bfl.median() - 0.88) < 0.005 and (bfl < 0.3).float().mean() < 0.004
+    assert abs(draw("flux2_shift", 1024).median() - 0.653) < 0.005         # 512²: mu 0.63, shift 1.88
+    assert draw("sigmoid", 4096).median() == draw("logit_normal", 4096).median()
+    with pytest.raises(ValueError, match="needs image_seq_len"):
+        sample_timesteps(4, "flux2_shift")
 
 
 def test_sampler_is_reproducible_with_a_seeded_generator():

@@ -126,7 +126,7 @@ def test_training_forward_feeds_guidance_and_klein_ignores_it():
         model = build_random(spec, torch.float32)
         return loss_at(model, spec, cfg(model=model_id, guidance=guidance), x0, noise, t, model_context(spec, ctx),
                        "cpu", "none").item()
-    assert loss(DEV, None) == loss(DEV, 4.0)                # unset: the model's default, 4.0
+    assert loss(DEV, None) == loss(DEV, 1.0)                # unset: trains at 1.0, as musubi-tuner does
     assert abs(loss(DEV, 1.0) - loss(DEV, 4.0)) > 1e-4
     assert loss("tiny-flux2", 3.0) == loss("tiny-flux2", None)
 
@@ -135,7 +135,7 @@ def test_guidance_setting_is_checked_and_noted_when_ignored(tmp_path):
     with pytest.raises(ConfigError, match="'guidance'"):
         cfg(guidance=-1.0)
     lines = []
-    from ugpum.train.loop import train
+    from ugpum.commands.train import run_training as train
     train(cfg(model="tiny-flux2", guidance=2.5, steps=1, dataset=str(one_image(tmp_path / "data"))), tmp_path / "run",
           log=lines.append)
     assert any("'guidance' = 2.5 is ignored: tiny-flux2 has no guidance embedding" in l for l in lines), lines
@@ -143,7 +143,7 @@ def test_guidance_setting_is_checked_and_noted_when_ignored(tmp_path):
 
 def test_preview_renders_with_the_configured_guidance(comfy):
     from ugpum.train.encoders import StandInEncoders
-    from ugpum.train.samples import render
+    from ugpum.train.render_prompt import render
     spec = get_spec(DEV)
     model, enc = build_random(spec, torch.float32), StandInEncoders(spec)
     ctx = enc.encode_text(["loranne, waving"])[0]
@@ -157,7 +157,8 @@ def test_preview_renders_with_the_configured_guidance(comfy):
 # ------------------------------------------------------------------------------------ fp8 weights
 
 def test_fp8_file_trains_an_fp32_lora_with_finite_gradients(tmp_path):
-    from ugpum.train.loop import micro_loss, prepare_model, train
+    from ugpum.commands.train import build_model, run_training as train
+    from ugpum.train.loop import micro_loss, prepare_model
     path = save(tmp_path / "dev_fp8.safetensors", as_fp8_file(dev_tensors()))
     assert recognise(path)[2] == "fp8"
     c = cfg(model_file=str(path), weight_dtype="fp8", steps=3, dataset=str(one_image(tmp_path / "data")))
@@ -171,7 +172,7 @@ def test_fp8_file_trains_an_fp32_lora_with_finite_gradients(tmp_path):
     # one backward by hand: frozen fp8 base, LoRA gradients finite and non-zero
     spec = get_spec(DEV)
     plan = make_plan(spec, [host_device()], Workload(width=64, height=64, weight_dtype="fp8", rank=c.rank))
-    model, lora_set, layout, release = prepare_model(c, spec, plan)
+    model, lora_set, layout, release = prepare_model(c, spec, plan, *build_model(c))
     try:
         base = {p.dtype for n, p in model.named_parameters() if "blocks." in n and p.dim() == 2}
         assert base == {FP8} and not any(p.requires_grad for p in model.parameters())
@@ -280,7 +281,7 @@ def test_plan_dev_fp8_fits_two_24gib_cards_without_swap():
 
 
 def test_plan_dev_bf16_on_the_same_cards_needs_swap(capsys):
-    from ugpum.cli import main
+    from ugpum.commands import main
     assert main(["plan", "--model", "flux2-dev", "--gpu", "24GiB", "--gpu", "24GiB", "--dtype", "bf16", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["offloaded_blocks"] and plan["swap_bytes_per_step"] > 0
@@ -291,7 +292,8 @@ def test_plan_dev_bf16_on_the_same_cards_needs_swap(capsys):
 
 def test_dev_profile_is_fp8_with_guidance_and_fits_two_24gib_cards():
     c = load_config("flux2-dev-1024")
-    assert (c.model, c.weight_dtype, c.guidance, c.resolution, c.lr) == ("flux2-dev", "fp8", 4.0, 1024, 1e-4)
+    assert (c.model, c.weight_dtype, c.guidance, c.sample_guidance, c.resolution, c.lr) == (
+        "flux2-dev", "fp8", 1.0, 4.0, 1024, 1e-4)
     assert 16 <= c.rank <= 32 and c.checkpointing
     w = Workload(width=c.resolution, height=c.resolution, rank=c.rank, weight_dtype=c.weight_dtype,
                  checkpointing=c.checkpointing)
@@ -319,7 +321,7 @@ def test_dev_workflow_trains_on_dev_fp8_and_renders_with_guidance():
     assert by_type["UNETLoader"][0]["widgets_values"][0] == entry.dit["fp8"].filename
     profile = load_config("flux2-dev-1024")
     assert trainer["widgets_values"][3] == profile.lr and planner["widgets_values"][:4] == [1024, 1, 1, profile.rank]
-    assert by_type["FluxGuidance"][0]["widgets_values"] == [profile.guidance]
+    assert by_type["FluxGuidance"][0]["widgets_values"] == [profile.sample_guidance]    # sampled as previewed
     assert "CFGGuider" not in by_type and "BasicGuider" in by_type                 # dev: no CFG
     # the trained LoRA flows into the stock LoRA loader, whose model renders through FluxGuidance
     links = {l[0]: l for l in workflow["links"]}
@@ -334,15 +336,17 @@ def test_dev_workflow_trains_on_dev_fp8_and_renders_with_guidance():
 
 
 def test_bench_writes_an_fp8_checkpoint_and_trains_on_it_with_guidance(tmp_path):
-    from bench.place_train import main
+    from support.bench_run import run_bench
     ckpt = tmp_path / "dev_fp8.safetensors"
-    written = main(["write", "--model", DEV, "--dtype", "fp8", "--path", str(ckpt), "--device", "cpu"])
+    written = run_bench("place_train", ["write", "--model", DEV, "--dtype", "fp8", "--path", str(ckpt), "--device", "cpu"])
+    assert written.returncode == 0, written.stderr[-3000:]
     spec, prefix, stored = recognise(ckpt)
-    assert (spec.id, prefix, stored, written["bytes"]) == (DEV, "model.diffusion_model.", "fp8", ckpt.stat().st_size)
+    assert (spec.id, prefix, stored) == (DEV, "model.diffusion_model.", "fp8") and ckpt.stat().st_size > 0
     out = tmp_path / "result.json"
-    record = main(["run", "--path", str(ckpt), "--device", "cpu", "--resolution", "64", "--steps", "3",
-                   "--checkpointing", "block", "--out", str(out)])
-    assert json.loads(out.read_text()) == json.loads(json.dumps(record))
+    done = run_bench("place_train", ["run", "--path", str(ckpt), "--device", "cpu", "--resolution", "64", "--steps", "3",
+                                     "--checkpointing", "block", "--out", str(out)])
+    assert done.returncode == 0, done.stderr[-3000:]
+    record = json.loads(out.read_text())
     (case,) = record["results"]
     assert (case["weight_dtype"], case["block_weights_held_as"], case["guidance"]) == ("fp8", ["float8_e4m3fn"], 4.0)
     assert case["lora_grads_finite"] and math.isfinite(case["final_loss"]) and len(case["step_times"]) == 3

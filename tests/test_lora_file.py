@@ -9,9 +9,9 @@ import torch
 from PIL import Image
 from safetensors.torch import save_file
 
-import ugpum.lora_file as lora_file
-from ugpum.atomic import atomic_path, write_json_atomic
-from ugpum.lora_file import LoraFileError, load_lora, lora_metadata, save_lora
+import ugpum.formats.lora_file as lora_file
+from ugpum.formats.atomic import atomic_path, write_json_atomic
+from ugpum.formats.lora_file import LoraFileError, load_lora, lora_metadata, save_lora
 from ugpum.train.cache import dataset_hash
 from ugpum.train.dataset import ImageItem
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 from torch import nn
 
-import comfy_models as cm
-from toy_dit import ToyDiT
+from support import comfy_models as cm
+from support.toy_dit import ToyDiT
 from ugpum.checkpointing import checkpoint_blocks
 from ugpum.copy import Copy, move
 from ugpum.inplace_guard import guard_inplace_residuals
@@ -371,14 +371,14 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GP
 
 @cuda
 def test_side_stream_copy_waits_for_its_producer():
-    from ugpum.copy import _cuda_copy
+    from ugpum.copy import direct_gpu_copy
     dev = torch.device("cuda", 0)
     a = torch.randn(2048, 2048, device=dev)
     for _ in range(3):
         x = a
         for _ in range(20):                   # keep the compute stream busy when the copy is issued
             x = torch.tanh(x @ a) * 0.5
-        y = _cuda_copy(x, dev)                # src == dst: two side streams on one GPU, same events
+        y = direct_gpu_copy(x, dev)                # src == dst: two side streams on one GPU, same events
         assert y.data_ptr() != x.data_ptr()
         torch.testing.assert_close(y, x, rtol=0, atol=0)
 

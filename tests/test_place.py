@@ -5,7 +5,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from toy_dit import ToyDiT
+from support.toy_dit import ToyDiT
 from ugpum.place import Layout, place
 from ugpum.stream_load import CheckpointMismatch
 

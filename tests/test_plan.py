@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from ugpum.arch import Workload, get_spec
-from ugpum.cli import main
+from ugpum.commands import main
 from ugpum.devices import GIB, Device
-from ugpum.plan import PlanError, _combine, _Evaluator, best_split, budget_bytes, make_plan
+from ugpum.plan import PlanError, combine_keys, StageCosts, best_split, budget_bytes, make_plan
 
 
 def device(gib: float, tflops: float, gbps: float = 25.0, label: str = "gpu") -> Device:
@@ -23,7 +23,7 @@ workload_st = st.builds(Workload, width=st.sampled_from([512, 768, 1024]), heigh
                         rank=st.sampled_from([4, 16, 64]))
 
 
-def _brute_force(ev: _Evaluator):
+def _brute_force(ev: StageCosts):
     n, p = len(ev.spec.blocks), len(ev.devices)
     best = None
     for inner in itertools.combinations_with_replacement(range(n + 1), p - 1):
@@ -33,7 +33,7 @@ def _brute_force(ev: _Evaluator):
             continue
         total = keys[0]
         for k in keys[1:]:
-            total = _combine(total, k)
+            total = combine_keys(total, k)
         best = total if best is None or total < best else best
     return best
 
@@ -47,7 +47,7 @@ def test_plan_properties_and_optimality(devs, w, model):
         plan = make_plan(spec, devices, w)
     except PlanError as e:
         assert "does not fit" in str(e) and "GiB" in str(e)
-        assert _brute_force(_Evaluator(spec, devices, w, 1)) is None
+        assert _brute_force(StageCosts(spec, devices, w, 1)) is None
         return
     # contiguous, in device order, every block exactly once
     edges = [s.blocks for s in plan.stages]
@@ -59,11 +59,11 @@ def test_plan_properties_and_optimality(devs, w, model):
     for s, d in zip(plan.stages, devices):
         assert s.forecast_gib <= budget_bytes(d) / GIB + 1e-3
     # optimal for its own cost model: no split has a faster slowest stage
-    ev = _Evaluator(spec, devices, w, 1)
+    ev = StageCosts(spec, devices, w, 1)
     cuts = best_split(ev)
     dp = ev.key(0, cuts[0], cuts[1])
     for k in range(1, len(devices)):
-        dp = _combine(dp, ev.key(k, cuts[k], cuts[k + 1]))
+        dp = combine_keys(dp, ev.key(k, cuts[k], cuts[k + 1]))
     assert dp[0] == pytest.approx(_brute_force(ev)[0], rel=1e-12)
     json.dumps(plan.to_json())
 

@@ -9,7 +9,7 @@ from safetensors.torch import save_file
 
 from comfy_bridge import build_meta, build_random, find_comfyui
 from ugpum.arch import UnknownModel, get_spec, recognise
-from ugpum.safetensors_header import HeaderError
+from ugpum.formats.safetensors_header import HeaderError
 
 pytestmark = pytest.mark.skipif(find_comfyui() is None, reason="needs ComfyUI's model classes")
 FULL = ["flux2-klein-4b", "flux2-klein-9b", "flux2-dev", "wan2.1-1.3b", "wan2.1-14b"]

@@ -3,7 +3,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ugpum.safetensors_writer import write_streaming
+from ugpum.formats.safetensors_writer import write_streaming
 
 
 def test_streamed_file_reads_back_with_every_shape_and_dtype(tmp_path):

@@ -1,4 +1,4 @@
-"""ugpum.train.sampler against ComfyUI's own sampling (FLUX.2, Wan 2.1), and on its own.
+"""ugpum.train.flow_sampler against ComfyUI's own sampling (FLUX.2, Wan 2.1), and on its own.
 
 What is compared with a ComfyUI present (packaged copy by default, or COMFYUI_PATH):
 
@@ -30,8 +30,8 @@ import math
 import pytest
 import torch
 
-import comfy_models as cm
-from ugpum.train import sampler as S
+from support import comfy_models as cm
+from ugpum.train import flow_sampler as S
 from ugpum.train.flow import flux2_mu
 
 F64 = torch.float64

@@ -13,12 +13,13 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import comfy_models as cm
-from toy_dit import ToyDiT
+from support import comfy_models as cm
+from support.toy_dit import ToyDiT
 from ugpum.checkpointing import checkpoint_blocks
 from ugpum.inplace_guard import guard_inplace_residuals
 from ugpum.place import Layout
-from ugpum.swap import install_swap, place_with_swap, swap_plan
+from ugpum.place import place_with_swap, swap_plan
+from ugpum.swap import install_swap
 from ugpum.train.lora import attach_lora
 
 DEVICES = ["cpu"] + (["cuda:0"] if torch.cuda.is_available() else [])
@@ -251,11 +252,11 @@ def _plan_with_some_swap(spec):
     """A plan for a device just too small for the tiny model: the planner picks what to swap."""
     from ugpum.arch import Workload
     from ugpum.devices import Device
-    from ugpum.plan import _Evaluator, budget_bytes, make_plan
+    from ugpum.plan import StageCosts, budget_bytes, make_plan
     w = Workload(width=64, height=64, text_tokens=6, checkpointing=True, rank=2)
     dev = Device("tiny", "cpu", 2 ** 40, 2 ** 40, 1.0, 20.0, "unknown")
     n = len(spec.blocks)
-    ev = _Evaluator(spec, [dev], w, 1)
+    ev = StageCosts(spec, [dev], w, 1)
     full = sum(ev._memory(0, 0, n, ()).values())
     floor = sum(ev._memory(0, 0, n, tuple(range(n))).values())
     free = int(dev.free_bytes - budget_bytes(dev) + (full + floor) / 2)
@@ -312,13 +313,19 @@ def test_flux2_swap_keeps_the_inplace_error_without_guard(comfy):
     handle.remove()
 
 
+@pytest.mark.slow
 def test_bench_swap_smoke_on_cpu(comfy, tmp_path):
     """The benchmark's whole path on a tiny model without a GPU: both cases, JSON and table."""
     import json
 
-    from swap_cap import swap_forcing_cap_gib
+    from support.swap_cap import swap_forcing_cap_gib
     from ugpum.arch import get_spec
-    from ugpum.bench_cli import main
+    from support.bench_run import run_bench
+
+    def main(argv):
+        done = run_bench("swap", argv)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.returncode
     n = len(get_spec("tiny-flux2").blocks)
     cap_gib = swap_forcing_cap_gib()
     args = ["--model", "tiny-flux2", "--device", "cpu", "--resolution", "64", "--text-tokens", "8", "--rank", "2",

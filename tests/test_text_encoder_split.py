@@ -11,7 +11,7 @@ import torch
 from ugpum.arch import get_spec
 from ugpum.arch.base import Workload
 from ugpum.arch.text_encoders import ARCHS
-from ugpum.cli import format_plan
+from ugpum.forecast import format_plan
 from ugpum.devices import Device, parse_device_specs
 from ugpum.plan import WORKSPACE_RESERVE, make_plan
 from ugpum.text_encoder_split import (EncoderSizes, find_layers, plan_text_encoder, slots_for_devices,

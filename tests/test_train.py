@@ -12,7 +12,8 @@ from comfy_bridge import find_comfyui
 from ugpum.train.checkpoint import latest_checkpoint
 from ugpum.train.config import ConfigError, load_config
 from ugpum.train.dataset import DatasetError
-from ugpum.train.loop import MicroBatches, train, validation_picks
+from ugpum.train.loop import MicroBatches, validation_picks
+from ugpum.commands.train import run_training as train
 
 pytestmark = pytest.mark.skipif(find_comfyui() is None, reason="needs ComfyUI's model classes")
 DATASET = Path(__file__).resolve().parent.parent / "demo_datasets" / "loranne"
@@ -35,6 +36,7 @@ def full_run(tmp_path_factory):
     return train(cfg(steps=50, save_every=10), out, **QUIET), out
 
 
+@pytest.mark.slow
 def test_loss_falls_clearly_over_50_steps(full_run):
     result, out = full_run
     assert result.validation_after < 0.9 * result.validation_before
@@ -43,6 +45,7 @@ def test_loss_falls_clearly_over_50_steps(full_run):
     assert all({"step", "loss", "seconds"} <= set(l) for l in lines)
 
 
+@pytest.mark.slow
 def test_output_folder_holds_lora_metrics_and_checkpoints(full_run):
     result, out = full_run
     tensors = lora_tensors(result.lora_path)
@@ -51,6 +54,7 @@ def test_output_folder_holds_lora_metrics_and_checkpoints(full_run):
     assert not list(out.glob("**/.tmp*"))
 
 
+@pytest.mark.slow
 def test_interrupted_then_resumed_run_ends_with_the_same_lora(full_run, tmp_path):
     reference, _ = full_run
     calls = {"n": 0}
@@ -275,14 +279,14 @@ def test_fp8_base_weights_train(tmp_path):
     assert all(t.dtype == torch.float32 for t in lora_tensors(result.lora_path).values())
 
 
-def test_real_models_refuse_to_train_without_their_encoders(tmp_path):
-    from ugpum.train.loop import TrainingError
-    with pytest.raises(TrainingError, match="needs its text encoder and VAE"):
-        train(load_config("klein-9b-1024", overrides=dict(dataset=str(DATASET))), tmp_path, **QUIET)
+def test_real_models_refuse_to_train_without_their_encoders(tmp_path, capsys):
+    from ugpum.commands import main
+    assert main(["train", "--profile", "klein-9b-1024", "--dataset", str(DATASET), "--out", str(tmp_path)]) == 2
+    assert "needs its text encoder and VAE" in capsys.readouterr().err
 
 
 def test_cli_train_writes_the_output_folder(tmp_path, capsys):
-    from ugpum.cli import main
+    from ugpum.commands import main
     out = tmp_path / "run"
     assert main(["train", "--profile", "tiny-flux2", "--dataset", str(DATASET), "--devices", "cpu",
                  "--steps", "2", "--sample-every", "1", "--out", str(out)]) == 0
@@ -295,7 +299,7 @@ def test_cli_train_writes_the_output_folder(tmp_path, capsys):
 
 @pytest.mark.parametrize("schedule", ["gpipe", "sequential"])
 def test_cli_schedule_flag_picks_the_micro_batch_order(tmp_path, capsys, schedule):
-    from ugpum.cli import main
+    from ugpum.commands import main
     assert main(["train", "--profile", "tiny-flux2", "--dataset", str(DATASET), "--devices", "cpu,cpu",
                  "--steps", "1", "--grad-accum", "2", "--schedule", schedule, "--sample-every", "0",
                  "--out", str(tmp_path / "run")]) == 0
@@ -303,7 +307,7 @@ def test_cli_schedule_flag_picks_the_micro_batch_order(tmp_path, capsys, schedul
 
 
 def test_demo_on_real_weights_names_missing_files_and_the_download_command(tmp_path, capsys):
-    from ugpum.cli import main
+    from ugpum.commands import main
     models = tmp_path / "models"
     (models / "diffusion_models").mkdir(parents=True)
     (models / "vae").mkdir()
@@ -313,3 +317,55 @@ def test_demo_on_real_weights_names_missing_files_and_the_download_command(tmp_p
     assert "text_encoders/qwen_3_8b_fp8mixed.safetensors" in err
     assert "diffusion_models/flux-2-klein-9b.safetensors" in err
     assert "python -m ugpum download flux2-klein-9b" in err and "vae/flux2-vae" not in err
+
+
+def test_cli_train_on_a_models_folder_names_each_missing_file_and_the_download_command(tmp_path, capsys):
+    from ugpum.commands import main
+    models = tmp_path / "models"
+    (models / "vae").mkdir(parents=True)
+    (models / "vae" / "flux2-vae.safetensors").write_bytes(b"")
+    args = ["train", "--profile", "klein-9b-1024", "--dataset", str(DATASET), "--out", str(tmp_path / "out")]
+    assert main(args + ["--models", str(models)]) == 2
+    err = capsys.readouterr().err
+    assert "diffusion_models/flux-2-klein-9b.safetensors" in err and "text_encoders/qwen_3_8b_fp8mixed.safetensors" in err
+    assert f"python -m ugpum download flux2-klein-9b --models {models}" in err and "vae/flux2-vae" not in err
+    assert err.count("\n") == 1 and "Traceback" not in err                       # one sentence
+    # an explicit file is named by its flag; the folder fills in the rest
+    assert main(args + ["--models", str(models), "--text-encoder", str(tmp_path / "te.safetensors")]) == 2
+    err = capsys.readouterr().err
+    assert f"--text-encoder {tmp_path / 'te.safetensors'} (no such file)" in err
+    assert "diffusion_models/flux-2-klein-9b.safetensors" in err and "qwen_3_8b" not in err
+    assert main(args + ["--model", str(tmp_path / "dit.safetensors")]) == 2
+    assert "dit.safetensors: no such file" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()                                        # nothing started
+
+
+def test_cli_train_refuses_a_comfyui_too_old_for_the_text_encoder(tmp_path, capsys):
+    """The packaged ComfyUI (0.3.75) predates klein 9B's Qwen3-8B: one sentence says to update it."""
+    import comfy_bridge
+    from ugpum.commands import main
+    comfy_bridge.import_comfy(find_comfyui())
+    import comfy.sd
+    if hasattr(comfy.sd.TEModel, "QWEN3_8B"):
+        pytest.skip("this ComfyUI loads Qwen3-8B")
+    models = tmp_path / "models"
+    for name in ("diffusion_models/flux-2-klein-9b.safetensors", "text_encoders/qwen_3_8b_fp8mixed.safetensors",
+                 "vae/flux2-vae.safetensors"):
+        (models / name).parent.mkdir(parents=True, exist_ok=True)
+        (models / name).write_bytes(b"")
+    assert main(["train", "--profile", "klein-9b-1024", "--dataset", str(DATASET), "--models", str(models),
+                 "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "cannot load Flux.2-klein-9b's text encoder (QWEN3_8B); update it" in err and err.count("\n") == 1
+
+
+def test_guidance_trains_at_one_and_previews_at_the_templates_four():
+    from ugpum.arch import get_spec
+    from ugpum.train.loop import training_guidance
+    from ugpum.train.render_prompt import guidance_for
+    dev, klein = get_spec("flux2-dev"), get_spec("flux2-klein-9b")
+    profile = load_config("flux2-dev-1024")
+    assert (profile.guidance, profile.sample_guidance) == (1.0, 4.0)
+    assert training_guidance(dev, None) == 1.0 and guidance_for(dev, None) == 4.0
+    assert training_guidance(dev, 2.5) == 2.5 and training_guidance(klein, 2.5) is None
+    assert load_config("klein-9b-1024").timesteps == "flux2_shift"

@@ -12,9 +12,10 @@ import json
 import pytest
 import torch
 
-from swap_cap import swap_forcing_cap_gib
-from toy_dit import ToyDiT
-from ugpum.copy import STAGED_ENV, _cuda_copy, _gpu_copy, _staged_copy, staged_copies, staged_copies_enabled
+from support.bench_run import run_bench
+from support.swap_cap import swap_forcing_cap_gib
+from support.toy_dit import ToyDiT
+from ugpum.copy import STAGED_ENV, direct_gpu_copy, gpu_copy, staged_copy, staged_copies, staged_copies_enabled
 from ugpum.pipeline import accumulate
 from ugpum.place import Layout, place
 
@@ -68,7 +69,7 @@ def _tensors(device: str) -> list[torch.Tensor]:
 def test_staged_copy_on_cpu_is_an_exact_independent_copy(i):
     x = _tensors("cpu")[i]
     before = x.clone()
-    y = _staged_copy(x, torch.device("cpu"))
+    y = staged_copy(x, torch.device("cpu"))
     assert y.shape == x.shape and y.dtype == x.dtype and y.device == x.device and y.is_contiguous()
     assert torch.equal(y, x)
     if x.numel():
@@ -131,8 +132,8 @@ def test_staged_copy_waits_for_its_producer_on_the_gpu(i):
             h = torch.tanh(h @ a) * 0.5
         x = _tensors("cuda:0")[i]
         x.add_(h[0, 0].to(x.dtype) * 0)         # written after the busy work (views keep their strides)
-        staged = _staged_copy(x, dev)
-        direct = _cuda_copy(x, dev)
+        staged = staged_copy(x, dev)
+        direct = direct_gpu_copy(x, dev)
         torch.testing.assert_close(staged, direct, rtol=0, atol=0)
         torch.testing.assert_close(staged, x, rtol=0, atol=0)
 
@@ -142,12 +143,12 @@ def test_gpu_copy_takes_the_path_the_switch_says():
     dev = torch.device("cuda", 0)
     x = torch.randn(256, device=dev)
     with staged_copies():
-        y, stream = _gpu_copy(x, dev)
+        y, stream = gpu_copy(x, dev)
     from ugpum.copy import edge_streams
     out_stream, in_stream = edge_streams(dev, dev)
     assert stream == in_stream and torch.equal(y, x)
     with staged_copies(False):
-        y, stream = _gpu_copy(x, dev)
+        y, stream = gpu_copy(x, dev)
     assert stream == out_stream and torch.equal(y, x)
 
 
@@ -155,7 +156,7 @@ def test_gpu_copy_takes_the_path_the_switch_says():
 def test_staged_copy_between_two_gpus_is_exact_both_ways():
     for src, dst in (("cuda:0", "cuda:1"), ("cuda:1", "cuda:0")):
         for x in _tensors(src):
-            y = _staged_copy(x, torch.device(dst))
+            y = staged_copy(x, torch.device(dst))
             assert y.device == torch.device(dst)
             torch.testing.assert_close(y.cpu(), x.cpu(), rtol=0, atol=0)
 
@@ -163,15 +164,6 @@ def test_staged_copy_between_two_gpus_is_exact_both_ways():
 # ------------------------------------------------------------------------------------------
 # the benchmark on CPU (tiny models): every case, entries, table, errors
 # ------------------------------------------------------------------------------------------
-
-@pytest.fixture
-def one_intra_op_thread():
-    """Tiny models: one intra-op thread is faster, and far faster on a busy machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 def _args(tmp_path, *more: str) -> list[str]:
     """Tiny shapes, two steps, m = 1 and 2 wherever the GPU session uses more."""
@@ -185,10 +177,17 @@ FIELDS = ("case", "devices", "caps_gib", "micro_batches", "schedule", "s_per_ste
           "stages", "command", "torch", "gpus", "predicted_s", "forecast_error", "error")
 
 
-def test_bench_cpu_smoke_every_case(comfy, tmp_path, one_intra_op_thread):
-    from bench.two_gpu import main
+def two_gpu(argv: list[str]) -> int:
+    """bench/two_gpu.py as a user runs it (one intra-op thread: faster for tiny models)."""
+    done = run_bench("two_gpu", argv, threads=1)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.returncode
+
+
+@pytest.mark.slow
+def test_bench_cpu_smoke_every_case(comfy, tmp_path):
     args = _args(tmp_path, "--cap-gib", repr(swap_forcing_cap_gib()))
-    assert main(args) == 0
+    assert two_gpu(args) == 0
     assert not (tmp_path / "ckpt" / "tiny-flux2.safetensors").exists()      # written by the run, then deleted
     entries = json.loads((tmp_path / "out" / "two_gpu.json").read_text())
     runs = sorted((e["case"], e["variant"], e["micro_batches"], e["schedule_requested"], e["staged_copies"])
@@ -245,23 +244,24 @@ def test_bench_cpu_smoke_every_case(comfy, tmp_path, one_intra_op_thread):
     assert "n/a (one device for both)" in md and "two_gpu.py" in md.split("## Commands")[1]
 
     # measured again: the entry is replaced, not added
-    assert main(_args(tmp_path, "--cases", "mixed_caps", "--only", "mixed_caps/even")) == 0
+    assert two_gpu(_args(tmp_path, "--cases", "mixed_caps", "--only", "mixed_caps/even")) == 0
     again = json.loads((tmp_path / "out" / "two_gpu.json").read_text())
     assert len(again) == len(entries) and sum(e["variant"] == "even" for e in again) == 1
     assert next(e for e in again if e["variant"] == "even")["step_times"] != even["step_times"]
 
 
-def test_bench_run_in_its_own_process_and_a_failing_run(comfy, tmp_path, one_intra_op_thread):
-    from bench.two_gpu import main
+@pytest.mark.slow
+def test_bench_run_in_its_own_process_and_a_failing_run(comfy, tmp_path):
     # caps too small for the model even with every block swapped: an entry that says so, exit code 1
-    assert main(_args(tmp_path, "--cases", "mixed_caps", "--only", "mixed_caps/even", "--keep-ckpt",
-                      "--mixed-caps-gib", "0.7502,0.7502")) == 1
+    done = run_bench("two_gpu", _args(tmp_path, "--cases", "mixed_caps", "--only", "mixed_caps/even", "--keep-ckpt",
+                                      "--mixed-caps-gib", "0.7502,0.7502"), threads=1)
+    assert done.returncode == 1
     [failed] = json.loads((tmp_path / "out" / "two_gpu.json").read_text())
     assert failed["s_per_step"] is None and failed["error"].startswith("PlanError: manual split [3, 2]")
     assert "do not fit on cpu capped at 0.7502 GiB" in (tmp_path / "out" / "two_gpu.md").read_text()
 
     # the run in a child process (as on CUDA), merged into the same results
-    assert main(_args(tmp_path, "--cases", "mixed_caps", "--only", "mixed_caps/planner", "--isolate", "always")) == 0
+    assert two_gpu(_args(tmp_path, "--cases", "mixed_caps", "--only", "mixed_caps/planner", "--isolate", "always")) == 0
     entries = json.loads((tmp_path / "out" / "two_gpu.json").read_text())
     assert [e["variant"] for e in entries] == ["even", "planner"]
     assert entries[1]["s_per_step"] > 0 and entries[1]["error"] is None and "comparison" not in entries[1]
@@ -275,17 +275,14 @@ def test_bench_run_in_its_own_process_and_a_failing_run(comfy, tmp_path, one_int
     (["--mixed-caps-gib", "16"], "two positive GiB"),
     (["--steps", "1"], "more than --warmup"),
 ])
-def test_bench_refuses_bad_arguments(tmp_path, capsys, bad, message):
-    from bench.two_gpu import main
-    with pytest.raises(SystemExit):
-        main(_args(tmp_path) + bad)
-    assert message in capsys.readouterr().err
+def test_bench_refuses_bad_arguments(tmp_path, bad, message):
+    done = run_bench("two_gpu", _args(tmp_path) + bad)
+    assert done.returncode != 0 and message in done.stderr
 
 
 def test_bench_refuses_a_broken_results_file(tmp_path):
-    from bench.two_gpu import main
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "two_gpu.json").write_text("{not json")
-    with pytest.raises(SystemExit, match="two_gpu.json is not valid JSON"):
-        main(_args(tmp_path))
+    done = run_bench("two_gpu", _args(tmp_path))
+    assert done.returncode != 0 and "two_gpu.json is not valid JSON" in done.stderr
     assert not (tmp_path / "ckpt").exists()                 # stopped before writing anything

@@ -207,7 +207,7 @@ def test_stand_in_decoder_gives_a_clips_frames():
 def test_comfyui_wan_vae_encodes_a_clip_along_its_time_axis():
     """ComfyUI's own Wan 2.1 VAE class (tiny width, random weights) through ComfyEncoders: 9 frames
     become 3 latent frames, the first of which is the first frame encoded alone (the VAE is causal)."""
-    import comfy_models as cm
+    from support import comfy_models as cm
     cm.import_comfy(cm.find_comfyui())
     import comfy.ldm.wan.vae
     import comfy.sd
@@ -250,7 +250,7 @@ def clip_dataset(root: Path) -> Path:
 
 @needs_comfy
 def test_tiny_wan_clip_training_end_to_end(tmp_path):
-    from ugpum.train.loop import train
+    from ugpum.commands.train import run_training as train
     data = clip_dataset(tmp_path)
     cfg = load_config("tiny-wan-clip", overrides=dict(dataset=str(data), devices=["cpu"], frames=9, steps=12,
                                                       sample_every=6, trigger="barclip"))
@@ -349,7 +349,7 @@ def test_musubi_target_frames_are_taken_once_each(tmp_path):
 
 @needs_comfy
 def test_tiny_wan_trains_on_a_musubi_video_toml(tmp_path):
-    from ugpum.train.loop import train
+    from ugpum.commands.train import run_training as train
     config = video_toml(tmp_path, "target_frames = [1, 5]\n")
     cfg = load_config("tiny-wan-clip", overrides=dict(dataset=str(config), devices=["cpu"], frames=5, steps=4,
                                                       sample_every=0, resolution=96))   # the TOML's 96x64
@@ -361,7 +361,7 @@ def test_tiny_wan_trains_on_a_musubi_video_toml(tmp_path):
 
 @needs_comfy
 def test_cli_trains_a_clip_lora_and_the_plan_states_the_frames(tmp_path, capsys):
-    from ugpum.cli import main
+    from ugpum.commands import main
     data = clip_dataset(tmp_path)
     out = tmp_path / "run"
     assert main(["train", "--profile", "tiny-wan-clip", "--dataset", str(data), "--devices", "cpu",

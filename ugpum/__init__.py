@@ -1,1 +1,23 @@
-"""UGPUM core: multi-GPU LoRA training for large diffusion transformers (no ComfyUI imports)."""
+"""UGPUM core: LoRA training for diffusion transformers too big for one GPU, the blocks kept spread
+over several GPUs in one process (no ComfyUI imports; the verbs in `ugpum.commands` and the nodes
+build ComfyUI's models and hand them in).
+
+What a library user calls:
+    spec = get_spec("flux2-klein-9b")                       # or recognise("file.safetensors")[0]
+    devices = resolve_devices(["auto"], spec)
+    plan = plan_training(spec, devices, Workload(width=1024, height=1024), grad_accum=4)
+    print(format_plan(plan))
+    result = train(load_config("klein-9b-1024", overrides={...}), "out/", model=..., encoders=...)
+"""
+from .arch import UnknownModel, Workload, get_spec, recognise
+from .devices import Device, DeviceError, parse_device_specs, resolve_devices
+from .forecast import format_plan
+from .place import place, place_by_plan
+from .plan import Plan, PlanError, make_plan, plan_training
+from .train.config import ConfigError, TrainConfig, load_config
+from .train.loop import TrainResult, train
+from .train.lora import attach_lora
+
+__all__ = ["ConfigError", "Device", "DeviceError", "Plan", "PlanError", "TrainConfig", "TrainResult", "UnknownModel",
+           "Workload", "attach_lora", "format_plan", "get_spec", "load_config", "make_plan", "parse_device_specs",
+           "place", "place_by_plan", "plan_training", "recognise", "resolve_devices", "train"]

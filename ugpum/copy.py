@@ -68,7 +68,7 @@ def edge_streams(src: torch.device, dst: torch.device) -> tuple["torch.cuda.Stre
     return pair
 
 
-def _cuda_copy(x: torch.Tensor, dst: torch.device) -> torch.Tensor:
+def direct_gpu_copy(x: torch.Tensor, dst: torch.device) -> torch.Tensor:
     """`x` (no autograd) copied to another GPU on side streams; see the module docstring."""
     src = x.device
     out_stream, in_stream = edge_streams(src, dst)
@@ -111,7 +111,7 @@ def staged_copies(enabled: bool = True):
         _staged_override = before
 
 
-def _staged_copy(x: torch.Tensor, dst: torch.device) -> torch.Tensor:
+def staged_copy(x: torch.Tensor, dst: torch.device) -> torch.Tensor:
     """`x` (no autograd) copied to `dst` through host memory (see the module docstring).
 
     Between GPUs the host buffer is page-locked and comes from torch's caching host allocator, which
@@ -140,13 +140,13 @@ def _staged_copy(x: torch.Tensor, dst: torch.device) -> torch.Tensor:
     return y
 
 
-def _gpu_copy(x: torch.Tensor, dst: torch.device) -> tuple[torch.Tensor, "torch.cuda.Stream"]:
+def gpu_copy(x: torch.Tensor, dst: torch.device) -> tuple[torch.Tensor, "torch.cuda.Stream"]:
     """(`x` copied to the GPU `dst`, the side stream the copy finishes on): staged through host
     memory when `staged_copies_enabled()`, else direct."""
     out_stream, in_stream = edge_streams(x.device, dst)
     if staged_copies_enabled():
-        return _staged_copy(x, dst), in_stream
-    return _cuda_copy(x, dst), out_stream
+        return staged_copy(x, dst), in_stream
+    return direct_gpu_copy(x, dst), out_stream
 
 
 def copy_tensor(x: torch.Tensor, device: torch.device | str) -> torch.Tensor:
@@ -156,7 +156,7 @@ def copy_tensor(x: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     if x.device == device:
         return x
     if x.device.type == "cuda" and device.type == "cuda":
-        return _gpu_copy(x, device)[0]
+        return gpu_copy(x, device)[0]
     return x.to(device, non_blocking=device.type != "cpu")
 
 
@@ -183,7 +183,7 @@ class Copy(torch.autograd.Function):
         if grad.device == src:
             return grad, None
         if grad.device.type == "cuda" and src.type == "cuda":
-            moved, finished_on = _gpu_copy(grad, src)   # src's current stream already waits for it
+            moved, finished_on = gpu_copy(grad, src)   # src's current stream already waits for it
             torch.cuda.current_stream(grad.device).wait_stream(finished_on)
             return moved, None
         return copy_tensor(grad, src), None

@@ -189,6 +189,42 @@ def parse_device_specs(specs: list[str], probe: bool = True) -> list[Device]:
     return devices
 
 
+# Without CUDA, "auto" falls back to the CPU for models this small (the tests' and demo's tiny models)
+CPU_TRAINABLE_PARAMS = 100_000_000
+
+
+class DeviceError(ValueError):
+    """The devices asked for cannot run the request; the message says what would."""
+
+
+def resolve_devices(specs: list[str], spec, training: bool = False, probe: bool = True) -> list[Device]:
+    """The devices a plan is made over, the same for every front end: this machine's GPUs for
+    "auto"/"cuda:N", described ones (16GiB, rtx4090) as typed, the CPU for models small enough when
+    no GPU is here. `training` also refuses what cannot train: described GPUs, the CPU for real models."""
+    devices = parse_device_specs(list(specs), probe=probe)
+    small = spec.params <= CPU_TRAINABLE_PARAMS
+    if not devices:
+        if small:
+            return [host_device()]
+        raise DeviceError(
+            f"no CUDA GPU found, and {spec.id} ({spec.params / 1e9:.1f} B parameters) is too large to train on "
+            "the CPU; to see a forecast for GPUs you plan to use, describe them instead, e.g. "
+            "'rtx4090, rtx4090' or '16GiB@pcie4x4, 24GiB'")
+    if training:
+        check_trainable(devices, spec)
+    return devices
+
+
+def check_trainable(devices: list[Device], spec) -> None:
+    """Refuse what cannot train: described GPUs (forecasts only), the CPU for real models."""
+    described = [d.label for d in devices if d.torch_device is None]
+    if described:
+        raise DeviceError(f"training needs this machine's devices (auto, cuda:N or cpu), not described ones "
+                          f"({', '.join(described)}); describe GPUs only to read a forecast")
+    if spec.params > CPU_TRAINABLE_PARAMS and any(d.torch_device == "cpu" for d in devices):
+        raise DeviceError(f"{spec.id} cannot train on the CPU; only the tiny test models do (use auto or cuda:N)")
+
+
 def _spec_help(spec: str) -> str:
     return (f"unknown device spec {spec!r}: expected a size like '16GiB' or '24GB', a preset "
             f"({', '.join(PRESETS)}), 'cuda:N', 'cpu' or 'auto', optionally followed by "

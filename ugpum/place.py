@@ -7,6 +7,7 @@ model. `Placement.undo` puts everything back where it was and removes the hooks.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import torch
 from torch import nn
 
 from .route import Router
+from .swap import SwapHandle, install_swap
 
 
 @dataclass
@@ -148,3 +150,71 @@ def place(model: nn.Module, layout: Layout, checkpoint: str | Path | None = None
     for path in units:
         router.route_into(model.get_submodule(path), layout.device_of(path))
     return placement
+
+
+# ---------------------------------------------------------------------------------------------
+# applying a plan: placement plus the swap tier
+
+def swap_plan(plan, devices: list[str], tail_modules: tuple[str, ...] = ()):
+    """(Layout, offloaded block paths in execution order) for a plan and its stages' torch devices."""
+    layout = Layout.from_plan(plan, devices, tail_modules)
+    return layout, [plan.block_paths[i] for i in sorted(plan.offloaded_blocks)]
+
+
+@dataclass
+class SwapPlacement:
+    placement: Placement
+    swaps: list[SwapHandle]
+
+    @property
+    def model(self):
+        return self.placement.model
+
+    @property
+    def layout(self):
+        return self.placement.layout
+
+    @property
+    def router(self):
+        return self.placement.router
+
+    def undo(self, device: str | None = None) -> None:
+        """Remove swap and placement; `device="meta"` discards the weights (no host copy back)."""
+        for s in self.swaps:
+            s.remove(restore=device != "meta")
+        self.swaps = []
+        self.placement.undo(device)
+
+
+def place_with_swap(model: nn.Module, layout, offloaded: Sequence[str], checkpoint=None, key_prefix: str = "",
+                    dtype: torch.dtype | None = None, slots: int = 2, pin: bool = True,
+                    timing: bool = False) -> SwapPlacement:
+    """`place()`, with the `offloaded` blocks' weights loaded into host memory (never onto their
+    device) and swapped in for compute on the device the layout gives them (one ring per device)."""
+    placement = place(model, layout, checkpoint=checkpoint, key_prefix=key_prefix, dtype=dtype,
+                      weights_on={p: "cpu" for p in offloaded})
+    by_device: dict[str, list[str]] = {}
+    for p in offloaded:
+        by_device.setdefault(layout.blocks[p], []).append(p)
+    swaps = []
+    try:
+        for dev, paths in by_device.items():
+            swaps.append(install_swap(model, paths, dev, slots=slots, pin=pin, timing=timing))
+    except BaseException:
+        for s in swaps:
+            s.remove()
+        placement.undo()
+        raise
+    return SwapPlacement(placement, swaps)
+
+
+def place_by_plan(model: nn.Module, plan, tail_modules: tuple[str, ...], model_file: str = "",
+                  key_prefix: str = "", dtype: torch.dtype | None = None):
+    """Apply a plan: blocks on their stages' devices, the swap tier (if any) streamed from host memory,
+    weights read from `model_file` when the model was built on the meta device. Returns the
+    placement; `.undo()` releases it."""
+    layout, offloaded = swap_plan(plan, [s.torch_device for s in plan.stages], tail_modules)
+    checkpoint = model_file if any(p.is_meta for p in model.parameters()) else None
+    if offloaded:
+        return place_with_swap(model, layout, offloaded, checkpoint=checkpoint, key_prefix=key_prefix, dtype=dtype)
+    return place(model, layout, checkpoint=checkpoint, key_prefix=key_prefix, dtype=dtype)

@@ -50,6 +50,8 @@ class Plan:
     swap_forecast: dict | None          # one GPU (the first) with block swap
     verdict: str
     block_paths: list[str]
+    schedule: str = "sequential"        # the micro-batch order the run uses (ugpum.pipeline)
+    in_flight: int = 1                  # micro-batches whose activations a stage holds at once
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -60,7 +62,7 @@ def budget_bytes(device: Device) -> float:
     return device.free_bytes - context - WORKSPACE_RESERVE
 
 
-class _Evaluator:
+class StageCosts:
     """Costs of one stage (a block range on one device), cached for the partition search."""
 
     def __init__(self, spec: ArchSpec, devices: list[Device], w: Workload, in_flight: int):
@@ -139,13 +141,13 @@ class _Evaluator:
                 sum(mem.values()) / max(budget_bytes(self.devices[k]), 1))
 
 
-def _combine(x, y):
+def combine_keys(x, y):
     """Key of two stage groups: the slowest stage decides; then total bytes swapped, then the
     fullest device. (Only the first part is guaranteed optimal; the rest breaks ties.)"""
     return max(x[0], y[0]), x[1] + y[1], max(x[2], y[2])
 
 
-def best_split(ev: _Evaluator) -> list[int] | None:
+def best_split(ev: StageCosts) -> list[int] | None:
     """Stage boundaries [0, c1, ..., n] minimising the combined stage key (exact dynamic program)."""
     n, p = len(ev.spec.blocks), len(ev.devices)
     # best[k][j]: best key for blocks [0, j) on devices 0..k; choice[k][j] the start of stage k.
@@ -161,7 +163,7 @@ def best_split(ev: _Evaluator) -> list[int] | None:
                 here = ev.key(k, i, j)
                 if here is None:
                     continue
-                cand = _combine(best[k - 1][i], here)
+                cand = combine_keys(best[k - 1][i], here)
                 if best[k][j] is None or cand < best[k][j]:
                     best[k][j], choice[k][j] = cand, i
     if best[p - 1][n] is None:
@@ -173,7 +175,7 @@ def best_split(ev: _Evaluator) -> list[int] | None:
     return [0] + cuts[::-1]
 
 
-def _step_times(ev: _Evaluator, stages: list[Stage]) -> tuple[dict[str, list[float]], int, float]:
+def _step_times(ev: StageCosts, stages: list[Stage]) -> tuple[dict[str, list[float]], int, float]:
     busy = [s for s in stages if s.blocks[1] > s.blocks[0]]
     cross_s, crossings = 0.0, 0
     for x, y in zip(busy, busy[1:]):
@@ -190,7 +192,7 @@ def _step_times(ev: _Evaluator, stages: list[Stage]) -> tuple[dict[str, list[flo
     return {"sequential": sequential, "pipelined": pipelined}, crossings, shared
 
 
-def manual_cuts(ev: _Evaluator, split: list[int]) -> list[int]:
+def manual_cuts(ev: StageCosts, split: list[int]) -> list[int]:
     """Stage boundaries from block counts per device; PlanError when they do not add up or fit."""
     n, p = len(ev.spec.blocks), len(ev.devices)
     if len(split) != p or sum(split) != n or min(split) < 0:
@@ -207,7 +209,7 @@ def manual_cuts(ev: _Evaluator, split: list[int]) -> list[int]:
 
 def _solve(spec: ArchSpec, devices: list[Device], w: Workload, grad_accum: int, in_flight: int,
            split: list[int] | None = None):
-    ev = _Evaluator(spec, devices, w, in_flight)
+    ev = StageCosts(spec, devices, w, in_flight)
     cuts = manual_cuts(ev, split) if split else best_split(ev)
     if cuts is None:
         return None
@@ -251,6 +253,21 @@ def make_plan(spec: ArchSpec, devices: list[Device], w: Workload, grad_accum: in
     return plan
 
 
+def plan_training(spec: ArchSpec, devices: list[Device], w: Workload, grad_accum: int = 1,
+                  schedule: str = "auto", split: list[int] | None = None) -> Plan:
+    """The plan a training run uses, and the only one any front end shows: the split, its forecast
+    and the micro-batch schedule, with the activations of every micro-batch that schedule keeps in
+    flight counted in each stage's memory. `schedule` "auto" takes the fastest order for the split."""
+    from .pipeline import best_schedule, in_flight        # (pipeline imports torch's runtime pieces)
+    plan = make_plan(spec, devices, w, grad_accum=grad_accum, split=split)
+    chosen = best_schedule(plan, grad_accum) if schedule == "auto" else schedule
+    held = in_flight(chosen, len(devices), grad_accum)
+    if held > 1:
+        plan = make_plan(spec, devices, w, grad_accum=grad_accum, in_flight=held, split=split)
+    plan.schedule, plan.in_flight = chosen, held
+    return plan
+
+
 def verdict(plan: Plan, devices: list[Device]) -> str:
     busy = [s for s in plan.stages if s.blocks[1] > s.blocks[0]]
     link = "/".join(sorted({d.link for d in devices}))
@@ -278,7 +295,7 @@ def verdict(plan: Plan, devices: list[Device]) -> str:
 
 def _explain_failure(spec, devices, w, grad_accum, in_flight) -> str:
     pooled = sum(max(budget_bytes(d), 0) for d in devices) / GIB
-    ev = _Evaluator(spec, devices, w, in_flight)
+    ev = StageCosts(spec, devices, w, in_flight)
     # The least any device must hold even with every block streamed: embedders, LoRA, activations.
     floor = min(sum(ev._memory(0, 0, len(spec.blocks), tuple(range(len(spec.blocks)))).values()),
                 sum(ev._memory(len(devices) - 1, 0, len(spec.blocks), tuple(range(len(spec.blocks)))).values()))

@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 
 from .arch.base import ArchSpec
-from .lora_file import lora_modules
-from .swap import place_by_plan
+from .formats.lora_file import lora_modules
+from .place import place_by_plan
 from .train.lora import LoraSet
-from .train.samples import render
+from .train.render_prompt import render
 
 
 def attach_lora_tensors(model, tensors: dict[str, torch.Tensor]) -> LoraSet:

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .safetensors_header import Header, read_header
+from .formats.safetensors_header import Header, read_header
 
 TORCH_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..safetensors_header import Header, read_header
+from ..formats.safetensors_header import Header, read_header
 from . import flux2, wan
 from .base import ArchSpec, BlockSpec, LinearSpec, Workload
 

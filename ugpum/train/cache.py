@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..arch.base import latent_frames
-from ..atomic import atomic_path
+from ..formats.atomic import atomic_path
 from .dataset import ImageItem, load_bucketed_image
 from .encoders import Encoders
 from .video import ClipItem, content_digest, load_bucketed_clip

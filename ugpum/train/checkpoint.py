@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..atomic import write_json_atomic
+from ..formats.atomic import write_json_atomic
 from .lora import LoraSet
 
 LATEST = "latest.json"

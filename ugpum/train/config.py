@@ -6,7 +6,9 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..arch import get_spec, model_ids
+from ..arch import Workload, get_spec, model_ids
+from ..dtypes import TRAINING_DTYPES
+from .flow import TIMESTEP_METHODS
 
 
 class ConfigError(ValueError):
@@ -36,16 +38,19 @@ class TrainConfig:
     rank: int = 16
     alpha: float = 16.0
     targets: list[str] = field(default_factory=list)   # substrings of linear paths; empty: all
-    timesteps: str = "flux2"              # uniform | logit_normal | shift | flux2
+    timesteps: str = "auto"               # auto (FLUX.2: flux2_shift, Wan: shift) | flux2_shift | flux2 |
+                                          # uniform | logit_normal | sigmoid | shift (README "Timestep sampling")
     shift: float = 3.0                    # for timesteps = "shift"
     weighting: str = "none"               # none | sigma_sqrt | cosmap
     seed: int = 42
     checkpointing: bool = True            # per-block gradient checkpointing
     autocast: bool = True                 # bf16 autocast on CUDA
     weight_dtype: str = "bf16"            # bf16 | fp8 | fp32 (base weights, frozen)
-    guidance: float | None = None         # FLUX.2 dev's guidance-embedding input in training and
-                                          # previews; unset: the model's default (4.0); klein/Wan have
-                                          # no such input and ignore it (the run log says so)
+    guidance: float | None = None         # FLUX.2 dev's guidance-embedding input in training; unset: 1.0,
+                                          # as musubi-tuner trains guidance-distilled models; klein/Wan
+                                          # have no such input and ignore it (the run log says so)
+    sample_guidance: float | None = None  # the same input for previews; unset: the model's sampling
+                                          # default (4.0, ComfyUI's FLUX.2 template)
     devices: list[str] = field(default_factory=lambda: ["auto"])
     schedule: str = "auto"                # micro-batch order: auto | sequential | gpipe | 1f1b
     save_every: int = 0                   # checkpoint every N steps (0: only at the end)
@@ -76,25 +81,33 @@ class TrainConfig:
         need(self.alpha > 0, "alpha", "must be positive")
         need(self.lr_schedule in ("constant", "cosine"), "lr_schedule", "constant or cosine")
         need(self.optimizer in ("adamw", "adamw8bit"), "optimizer", "adamw or adamw8bit")
-        need(self.timesteps in ("uniform", "logit_normal", "shift", "flux2"), "timesteps",
-             "uniform, logit_normal, shift or flux2")
+        need(self.timesteps in ("auto", *TIMESTEP_METHODS), "timesteps", "auto, " + ", ".join(TIMESTEP_METHODS))
         need(self.weighting in ("none", "sigma_sqrt", "cosmap"), "weighting", "none, sigma_sqrt or cosmap")
-        need(self.weight_dtype in ("bf16", "fp8", "fp32"), "weight_dtype", "bf16, fp8 or fp32")
+        need(self.weight_dtype in TRAINING_DTYPES, "weight_dtype", ", ".join(TRAINING_DTYPES))
         number = isinstance(self.guidance, (int, float)) and not isinstance(self.guidance, bool)
         need(self.guidance is None or (number and self.guidance >= 0), "guidance",
-             "a number >= 0 (FLUX.2 dev's default is 4.0), or leave it unset")
+             "a number >= 0 (training default 1.0), or leave it unset")
+        number = isinstance(self.sample_guidance, (int, float)) and not isinstance(self.sample_guidance, bool)
+        need(self.sample_guidance is None or (number and self.sample_guidance >= 0), "sample_guidance",
+             "a number >= 0 (FLUX.2 dev's sampling default is 4.0), or leave it unset")
         need(self.schedule in ("auto", "sequential", "gpipe", "1f1b"), "schedule", "auto, sequential, gpipe or 1f1b")
         need(bool(self.output_name) and "/" not in self.output_name and "\\" not in self.output_name
              and not self.output_name.startswith("."), "output_name", "a plain file name, no folders")
         return self
 
+    def workload(self) -> Workload:
+        """One step's shape, as the planner sees it (text at ComfyUI's padded 512 tokens)."""
+        return Workload(width=self.resolution, height=self.resolution, frames=self.frames, batch=self.batch,
+                        rank=self.rank, checkpointing=self.checkpointing, weight_dtype=self.weight_dtype)
+
 
 # Built-in profiles: the settings a newcomer starts from.
 PROFILES: dict[str, dict] = {
+    # FLUX.2: musubi-tuner's FLUX.2 timestep default (flux2_shift: median sigma 0.76 at 1024², per bucket)
     "klein-9b-1024": dict(model="flux2-klein-9b", resolution=1024, rank=16, alpha=16.0, steps=50, lr=1e-4,
-                          sample_every=10, timesteps="flux2", weight_dtype="bf16"),
+                          sample_every=10, timesteps="flux2_shift", weight_dtype="bf16"),
     "klein-4b-1024": dict(model="flux2-klein-4b", resolution=1024, rank=16, alpha=16.0, steps=50, lr=1e-4,
-                          sample_every=10, timesteps="flux2"),
+                          sample_every=10, timesteps="flux2_shift"),
     # Wan 2.1 clips at 480p: resolution is the bucket's area (640² ~ 832x480, which 832x480 and 16:9
     # clips get), 17 frames (5 latent frames) from each clip's start; shift 3 as musubi-tuner trains Wan
     "wan14b-480-clip": dict(model="wan2.1-14b", resolution=640, frames=17, rank=32, alpha=32.0, steps=400,
@@ -102,12 +115,13 @@ PROFILES: dict[str, dict] = {
     "wan1.3b-480-clip": dict(model="wan2.1-1.3b", resolution=640, frames=33, rank=32, alpha=32.0, steps=400,
                              lr=2e-4, sample_every=100, timesteps="shift", shift=3.0, weight_dtype="bf16"),
     # FLUX.2 [dev] (32 B): fp8 base weights (32 GB) fit two 24 GB cards without swap at 1024², where
-    # bf16 (64 GB) would need block swap. Guidance 4.0: the guidance-distilled model is trained at the
-    # scale it is sampled with (BFL's default, black-forest-labs/flux2 scripts/cli.py; ComfyUI's FLUX.2
-    # template sets FluxGuidance 4). lr 1e-4 and rank 16-32 are what dev LoRAs are commonly trained with.
+    # bf16 (64 GB) would need block swap. The guidance-distilled model trains at guidance 1.0, as
+    # musubi-tuner trains such models (a LoRA learns the data, not the distilled CFG direction), and
+    # previews sample at 4.0 (BFL's default, black-forest-labs/flux2 scripts/cli.py; ComfyUI's FLUX.2
+    # template's FluxGuidance). lr 1e-4 and rank 16-32 are what dev LoRAs are commonly trained with.
     "flux2-dev-1024": dict(model="flux2-dev", resolution=1024, rank=16, alpha=16.0, steps=500, lr=1e-4,
-                           sample_every=100, sample_steps=20, timesteps="flux2", weight_dtype="fp8",
-                           guidance=4.0),
+                           sample_every=100, sample_steps=20, timesteps="flux2_shift", weight_dtype="fp8",
+                           guidance=1.0, sample_guidance=4.0),
     # tiny random-weight models: the same code paths in seconds on a CPU (tests, demo without weights)
     "tiny-flux2": dict(model="tiny-flux2", resolution=64, rank=4, alpha=4.0, steps=50, lr=1e-2,
                        sample_every=25, timesteps="logit_normal", weight_dtype="fp32", autocast=False,

@@ -10,7 +10,19 @@ import math
 
 import torch
 
-TIMESTEP_METHODS = ("uniform", "logit_normal", "shift", "flux2")
+# by name, as TrainConfig.timesteps and the Trainer node take them (README "Timestep sampling"):
+#   flux2_shift   logit-normal, shifted by exp(mu) with FLUX.1's line through (256 tokens, 0.5) and
+#                 (4096 tokens, 1.15): musubi-tuner's FLUX.2 default; the FLUX.2 profiles' default
+#   flux2         logit-normal, shifted by BFL's empirical FLUX.2 mu (the sampling shift; 2.02 at 1024²)
+#   uniform, logit_normal (= sigmoid), shift (fixed `shift`)
+TIMESTEP_METHODS = ("flux2_shift", "flux2", "uniform", "logit_normal", "sigmoid", "shift")
+# "auto" (the default setting): each family's usual choice (Wan: shift 3.0, as musubi-tuner trains Wan)
+FAMILY_TIMESTEPS = {"flux2": "flux2_shift", "wan": "shift"}
+
+
+def timestep_method(setting: str, family: str) -> str:
+    """The method a run uses: the setting, or for "auto" the family's usual one."""
+    return FAMILY_TIMESTEPS[family] if setting == "auto" else setting
 LOSS_WEIGHTINGS = ("none", "sigma_sqrt", "cosmap")
 
 
@@ -78,6 +90,16 @@ def flux2_mu(image_seq_len: int, num_steps: int = 50) -> float:
     return mu_at_200_steps + slope_per_step * (num_steps - 200)
 
 
+def musubi_flux2_mu(image_seq_len: int) -> float:
+    """musubi-tuner's FLUX.2 training log-shift (its `flux2_shift` timestep sampling): FLUX.1's
+    resolution line, 0.5 at 256 image tokens and 1.15 at 4096 (1024²), in the bucket's tokens.
+    Source: kohya-ss/musubi-tuner, the FLUX.2 trainer's `flux2_shift` branch, with FLUX.1's
+    `get_lin_function` defaults (x1=256, y1=0.5, x2=4096, y2=1.15)."""
+    if image_seq_len < 1:
+        raise ValueError(f"image_seq_len must be >= 1, got {image_seq_len}")
+    return 0.5 + (1.15 - 0.5) * (image_seq_len - 256) / (4096 - 256)
+
+
 def flux2_shift(image_seq_len: int, num_steps: int = 50) -> float:
     """The FLUX.2 shift factor for `shift_timesteps`: exp(flux2_mu(...))."""
     return math.exp(flux2_mu(image_seq_len, num_steps))
@@ -111,7 +133,8 @@ def sample_timesteps(
     """n training timesteps in [0, 1] (float32, on the generator's device or CPU).
 
     - "uniform": t ~ U[0, 1).
-    - "logit_normal": t = sigmoid(N(logit_mean, logit_std)).
+    - "logit_normal" (or "sigmoid", musubi-tuner's name): t = sigmoid(N(logit_mean, logit_std)).
+    - "flux2_shift": a `base` sample moved by exp(musubi_flux2_mu(image_seq_len)).
     - "shift": a `base` sample ("logit_normal" or "uniform") moved by `shift`.
     - "flux2": the same with FLUX.2's shift for `image_seq_len` tokens (see flux2_mu).
     """
@@ -120,11 +143,16 @@ def sample_timesteps(
     device = generator.device if generator is not None else None
     if method == "uniform":
         return torch.rand(n, generator=generator, device=device)
-    if method == "logit_normal":
+    if method in ("logit_normal", "sigmoid"):
         return _base_timesteps(n, "logit_normal", generator, device, logit_mean, logit_std)
     if method == "shift":
         t = _base_timesteps(n, base, generator, device, logit_mean, logit_std)
         return shift_timesteps(t, shift)
+    if method in ("flux2", "flux2_shift") and image_seq_len is None:
+        raise ValueError(f"timestep method {method!r} needs image_seq_len (the bucket's image tokens)")
+    if method == "flux2_shift":
+        t = _base_timesteps(n, base, generator, device, logit_mean, logit_std)
+        return shift_timesteps(t, math.exp(musubi_flux2_mu(image_seq_len)))
     if method == "flux2":
         if image_seq_len is None:
             raise ValueError("timestep method 'flux2' needs image_seq_len (see flux2_image_seq_len)")

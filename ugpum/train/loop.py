@@ -14,31 +14,29 @@ from typing import Callable
 
 import torch
 
-from ..arch import Workload, get_spec
-from ..atomic import atomic_path
+from ..arch import get_spec
+from ..formats.atomic import atomic_path, write_json_atomic
 from ..checkpointing import checkpoint_blocks
-from ..devices import Device, host_device, parse_device_specs
+from ..devices import resolve_devices
+from ..dtypes import TORCH_DTYPES
 from ..inplace_guard import guard_inplace_residuals
-from ..lora_file import lora_metadata, save_lora
-from ..pipeline import accumulate, best_schedule, in_flight
-from ..swap import place_by_plan
+from ..formats.lora_file import lora_metadata, save_lora
+from ..pipeline import accumulate
+from ..place import place_by_plan
 from ..report import grid, save_animation, to_pil
-from ..plan import Plan, make_plan
+from ..plan import Plan, plan_training
 from .cache import FeatureCache, dataset_hash
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainConfig
 from .dataset import ImageItem, caption_dropout
 from .musubi_toml import load_musubi_toml
-from .encoders import Encoders, StandInEncoders
-from .flow import flow_loss, flux2_image_seq_len, noisy, sample_timesteps
+from .encoders import Encoders
+from .flow import flow_loss, noisy, sample_timesteps, timestep_method
 from .lora import LoraSet, attach_lora, lora_targets
 from .progress import Progress
-from .sampler import pad_flux2_context
-from .samples import guidance_for, render
+from .flow_sampler import pad_flux2_context
+from .render_prompt import render
 from .video import ClipItem, load_folder
-
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp8": torch.float8_e4m3fn}
-
 
 class TrainingError(RuntimeError):
     pass
@@ -67,17 +65,6 @@ def load_items(cfg: TrainConfig) -> list[ImageItem]:
         return load_musubi_toml(path, cfg.trigger, family, cfg.frames, cfg.frame_stride, cfg.resolution)
     return load_folder(path, family, frames=cfg.frames, stride=cfg.frame_stride,
                        resolution=cfg.resolution, repeats=cfg.repeats, trigger=cfg.trigger)
-
-
-def resolve_devices(cfg: TrainConfig) -> list[Device]:
-    devices = parse_device_specs(cfg.devices)
-    if not devices:                                   # "auto" on a machine without CUDA
-        devices = [host_device()]
-    if any(d.torch_device is None for d in devices):
-        raise TrainingError("training needs real devices (auto, cuda:N or cpu), not hand-described ones")
-    if any(d.torch_device == "cpu" for d in devices) and not cfg.model.startswith("tiny"):
-        raise TrainingError(f"{cfg.model} cannot train on the CPU; with no CUDA GPU only tiny models run")
-    return devices
 
 
 class MicroBatches:
@@ -133,13 +120,31 @@ def model_context(spec, context: torch.Tensor) -> torch.Tensor:
     return pad_flux2_context(context[None]) if spec.family == "flux2" else context[None]
 
 
+TRAINING_GUIDANCE = 1.0     # guidance-distilled models train at 1.0, as musubi-tuner trains them
+
+
+def training_guidance(spec, setting: float | None) -> float | None:
+    """The guidance-embedding input in training (models that have one): the setting, else 1.0."""
+    if not spec.guidance:
+        return None
+    return TRAINING_GUIDANCE if setting is None else float(setting)
+
+
+def image_tokens(spec, latent_shape) -> int:
+    """Image tokens of one latent: FLUX.2 [C, h, w] at one token per latent pixel (2x2 patchified
+    already); Wan [C, T, h, w] in 2x2 patches per latent frame."""
+    if spec.family == "wan":
+        return latent_shape[-3] * (latent_shape[-2] // 2) * (latent_shape[-1] // 2)
+    return latent_shape[-2] * latent_shape[-1]
+
+
 def loss_at(model, spec, cfg: TrainConfig, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor,
             context: torch.Tensor, first: str, weighting: str) -> torch.Tensor:
     """The model's flow-matching loss for samples x0 [B, ...] noised to timesteps t [B]; `context`:
     the model's text input [B, L, C] (`model_context`)."""
     device = torch.device(first)
     extra = {}
-    guidance = guidance_for(spec, cfg.guidance)           # FLUX.2 dev: without it ComfyUI skips the embedder
+    guidance = training_guidance(spec, cfg.guidance)      # FLUX.2 dev: without it ComfyUI skips the embedder
     if guidance is not None:
         extra["guidance"] = torch.full((x0.shape[0],), guidance, device=device)
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.autocast and device.type == "cuda"):
@@ -156,8 +161,8 @@ def micro_loss(model, spec, cfg: TrainConfig, latents: list[torch.Tensor], conte
     g = torch.Generator().manual_seed((cfg.seed * 7_919 + k) % 2**63)   # the same draws on any device
     x0 = torch.stack([latent.float() for latent in latents])
     noise = torch.randn(x0.shape, generator=g)
-    seq = flux2_image_seq_len(cfg.resolution, cfg.resolution)
-    t = sample_timesteps(len(latents), cfg.timesteps, g, shift=cfg.shift, image_seq_len=seq)
+    t = sample_timesteps(len(latents), timestep_method(cfg.timesteps, spec.family), g, shift=cfg.shift,
+                         image_seq_len=image_tokens(spec, latents[0].shape))   # per bucket: its own tokens
     context = torch.cat([model_context(spec, c) for c in contexts])
     return loss_at(model, spec, cfg, x0, noise, t, context, first, cfg.weighting)
 
@@ -195,13 +200,17 @@ def validation_loss(model, spec, cfg: TrainConfig, latents, contexts, first: str
     return total / n
 
 
-def prepare_model(cfg: TrainConfig, spec, plan: Plan, model=None, key_prefix: str = ""):
+def plan_for(cfg: TrainConfig) -> Plan:
+    """The plan a run with these settings uses (what the Partition Planner node and `plan` show)."""
+    spec = get_spec(cfg.model)
+    return plan_training(spec, resolve_devices(cfg.devices, spec, training=True), cfg.workload(),
+                         grad_accum=cfg.grad_accum, schedule=cfg.schedule)
+
+
+def prepare_model(cfg: TrainConfig, spec, plan: Plan, model, key_prefix: str = ""):
     """Place the DiT by the plan (streaming it from its file when built on meta), make it safe to
     differentiate, checkpoint its blocks and attach the LoRA."""
-    dtype = DTYPES[cfg.weight_dtype]
-    if model is None:                       # outside ComfyUI: ComfyUI's model classes via the bridge
-        from comfy_bridge import build_dit
-        model, key_prefix = build_dit(spec, dtype, cfg.model_file, seed=cfg.seed)
+    dtype = TORCH_DTYPES[cfg.weight_dtype]
     placement = place_by_plan(model, plan, spec.tail_modules, cfg.model_file, key_prefix, dtype)
     block_paths = [b.path for b in spec.blocks]
     guards = guard_inplace_residuals(model, include_rms=False)
@@ -227,22 +236,20 @@ def save_final_lora(cfg: TrainConfig, spec, lora: LoraSet, out: Path, steps: int
     return save_lora(out / name, tensors, cfg.rank, cfg.alpha, meta, dtype=torch.float32)
 
 
-def train(cfg: TrainConfig, out: str | Path, encoders: Encoders | None = None, model=None, key_prefix: str = "",
+def train(cfg: TrainConfig, out: str | Path, model: torch.nn.Module, encoders: Encoders, key_prefix: str = "",
           resume: bool = False, on_step: Callable[[int, int, float], None] | None = None,
           check_interrupt: Callable[[], None] | None = None, log=print,
-          on_sample: Callable[[int, object], None] | None = None, plan: Plan | None = None) -> TrainResult:
+          on_sample: Callable[[int, object], None] | None = None, plan: Plan | None = None,
+          on_partial_lora: Callable[[Path], None] | None = None) -> TrainResult:
+    """Train `cfg`'s LoRA on `model` (ComfyUI's DiT module, on the meta device to be streamed from
+    `cfg.model_file`, or with weights) with `encoders`, into `out`. `plan`: the one the Partition
+    Planner showed; None plans here, with the same function."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     spec = get_spec(cfg.model)
 
     # 1. data, then every latent and caption embedding through the cache (encoders released after)
     items = load_items(cfg)
-    if encoders is None:
-        if not cfg.stand_in_encoders:
-            raise TrainingError(f"{spec.id} needs its text encoder and VAE: train it from the LoRA Trainer node "
-                                "(stock CLIPLoader and VAELoader), or set stand_in_encoders for a benchmark "
-                                "on random weights")
-        encoders = StandInEncoders(spec)
     cache = FeatureCache(cfg.cache_dir or out / "cache", encoders)
     try:
         latents = [cache.latent(item) for item in items]
@@ -259,23 +266,14 @@ def train(cfg: TrainConfig, out: str | Path, encoders: Encoders | None = None, m
     log(f"features: {len(items)} items, cache {cache.hits} hit(s), {cache.misses} computed")
 
     # 2. plan, then the placed model with its LoRA
-    if plan is None:
-        w = Workload(width=cfg.resolution, height=cfg.resolution, frames=cfg.frames, batch=cfg.batch, rank=cfg.rank,
-                     checkpointing=cfg.checkpointing,
-                     weight_dtype="bf16" if cfg.weight_dtype == "fp32" else cfg.weight_dtype,
-                     text_tokens=model_context(spec, contexts[0]).shape[1])
-        devices = resolve_devices(cfg)
-        plan = make_plan(spec, devices, w, grad_accum=cfg.grad_accum)
-        schedule = best_schedule(plan, cfg.grad_accum) if cfg.schedule == "auto" else cfg.schedule
-        held = in_flight(schedule, len(devices), cfg.grad_accum)
-        if held > 1:                      # pipelined micro-batches keep several activations per stage
-            plan = make_plan(spec, devices, w, grad_accum=cfg.grad_accum, in_flight=held)
+    plan = plan or plan_for(cfg)
+    write_json_atomic(out / "plan.json", plan.to_json())
     cuda_devices = sorted({s.torch_device for s in plan.stages if s.torch_device.startswith("cuda")})
     log(plan.verdict)
     if cfg.guidance is not None and not spec.guidance:
         log(f"note: setting 'guidance' = {cfg.guidance} is ignored: {spec.id} has no guidance embedding")
     model, lora, layout, release = prepare_model(cfg, spec, plan, model, key_prefix)
-    schedule = best_schedule(plan, cfg.grad_accum) if cfg.schedule == "auto" else cfg.schedule
+    schedule = plan.schedule
     if cfg.grad_accum > 1:
         log(f"micro-batch schedule: {schedule}")
     params = [p for _, a in lora.items() for p in (a.A, a.B)]
@@ -313,7 +311,7 @@ def train(cfg: TrainConfig, out: str | Path, encoders: Encoders | None = None, m
 
     def take_sample(at: int) -> None:
         frames = [to_pil(f) for f in render(model, spec, encoders.decode, prompt, negative, sample_w, sample_h,
-                                            cfg.sample_seed, cfg.sample_steps, cfg.frames, cfg.guidance)]
+                                            cfg.sample_seed, cfg.sample_steps, cfg.frames, cfg.sample_guidance)]
         image = frames[0]
         path = out / "samples" / f"step_{at:05d}.png"
         path.parent.mkdir(exist_ok=True)
@@ -365,8 +363,10 @@ def train(cfg: TrainConfig, out: str | Path, encoders: Encoders | None = None, m
         # Ctrl-C, ComfyUI's Cancel or an error: keep what the completed steps trained, then stop
         if step > start:
             save_checkpoint(out, step, lora, optimizer, {"model": spec.id, "interrupted": True})
-            save_final_lora(cfg, spec, lora, out, step, items, f"{cfg.output_name}_step{step}.safetensors")
+            partial = save_final_lora(cfg, spec, lora, out, step, items, f"{cfg.output_name}_step{step}.safetensors")
             log(f"\nstopped at step {step}: checkpoint and LoRA saved in {out}")
+            if on_partial_lora:
+                on_partial_lora(partial)
         release()
         raise
     peak = {d: round(torch.cuda.max_memory_allocated(d) / 2**30, 3) for d in cuda_devices}

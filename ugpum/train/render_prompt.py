@@ -1,10 +1,11 @@
-"""Preview images during training: ComfyUI-equivalent sampling on the placed model, then decode."""
+"""Preview images during training and in Sample Preview: ComfyUI-equivalent sampling of a prompt on
+the placed model (flow_sampler.py), then decode."""
 from __future__ import annotations
 
 import torch
 
 from ..arch.base import ArchSpec, latent_frames
-from .sampler import SAMPLING_DEFAULTS, SamplingDefaults, comfy_noise, flux2_model_fn, sample, wan_model_fn
+from .flow_sampler import SAMPLING_DEFAULTS, SamplingDefaults, comfy_noise, flux2_model_fn, sample, wan_model_fn
 
 
 def sampling_defaults(spec: ArchSpec) -> SamplingDefaults:

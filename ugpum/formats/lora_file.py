@@ -18,7 +18,7 @@ import safetensors
 import torch
 from safetensors.torch import save_file
 
-from ugpum.atomic import atomic_path
+from ugpum.formats.atomic import atomic_path
 
 TRAINER_VERSION = "ugpum 0.1.0"
 PREFIX = "diffusion_model."

@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from . import models_catalog as catalog
-from .models_catalog import ModelFile
+from .. import models_catalog as catalog
+from ..models_catalog import ModelFile
 
 CHUNK = 8 * 2**20
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
@@ -604,7 +604,7 @@ def format_catalog(name: str | None = None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ugpum.download")
+    parser = argparse.ArgumentParser(prog="python -m ugpum.commands.download")
     add_download_parser(parser.add_subparsers(dest="command", required=True))
     return run_download(parser.parse_args(["download", *(argv if argv is not None else sys.argv[1:])]))
 

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 PACK_DIR_NAME = "ugpum_comfyui"
 START_TIMEOUT_S = 180.0
 MODEL_FOLDERS = ("diffusion_models", "text_encoders", "clip", "vae", "loras", "checkpoints")

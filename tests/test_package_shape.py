@@ -1,0 +1,114 @@
+"""The package's shape, as DESIGN §2 and §8 ask: the core never reaches up to ComfyUI, nothing in
+`ugpum` imports in a circle (lazy imports inside functions count too), the nodes load no verbs, and
+the tests use what a user of the library uses (no bench scripts, no private names)."""
+from __future__ import annotations
+
+import ast
+import re
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE = REPO / "ugpum"
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every module `path` imports (absolute names), at module level or inside functions."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[:len(anchor) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)   # `from . import x` names a module
+    return found
+
+
+def ugpum_graph() -> dict[str, set[str]]:
+    modules = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    return {name: {m for m in imported_modules(path) if m in modules and m != name}
+            for name, path in modules.items()}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """A circle of imports between modules, ignoring a package's own __init__ importing its children
+    (that is how a package shows its public face, not a circle)."""
+    def edges(a):
+        return {b for b in graph[a] if not (a.startswith(b + ".") and b in graph)}
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(a):
+        state[a] = 1
+        stack.append(a)
+        for b in sorted(edges(a)):
+            if state.get(b) == 1:
+                return stack[stack.index(b):] + [b]
+            if b not in state:
+                found = visit(b)
+                if found:
+                    return found
+        stack.pop()
+        state[a] = 2
+        return None
+    for a in sorted(graph):
+        if a not in state:
+            found = visit(a)
+            if found:
+                return found
+    return None
+
+
+def test_find_cycle_finds_a_circle_and_passes_a_tree():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_no_import_circle_in_ugpum():
+    graph = ugpum_graph()
+    assert "ugpum.plan" in graph and "ugpum.pipeline" in graph["ugpum.plan"]       # lazy imports are seen
+    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+
+
+def test_only_the_verbs_reach_comfyui():
+    pattern = re.compile(r"comfy_bridge|^\s*import comfy|^\s*from comfy", re.M)
+    offenders = [str(p.relative_to(REPO)) for p in PACKAGE.rglob("*.py")
+                 if pattern.search(p.read_text(encoding="utf-8")) and "commands" not in p.parts]
+    assert offenders == []
+    assert pattern.search((PACKAGE / "commands" / "bridge.py").read_text())       # the check can match
+
+
+def test_nodes_load_no_verbs():
+    for path in (REPO / "nodes").glob("*.py"):
+        assert not any(m.startswith("ugpum.commands") for m in imported_modules(path)), path.name
+
+
+def test_tests_use_the_public_library():
+    private = re.compile(r"^\s*from ugpum[\w.]* import [^#\n]*\b_[a-z]\w*", re.M)
+    for path in (REPO / "tests").rglob("*.py"):
+        text = path.read_text(encoding="utf-8")
+        modules = imported_modules(path)
+        assert not any(m == "bench" or m.startswith("bench.") for m in modules), f"{path.name} imports a bench script"
+        assert not private.search(text), f"{path.name} imports a private name of ugpum"
+
+
+def test_importing_the_core_loads_no_verbs():
+    import subprocess
+    code = ("import sys, ugpum, ugpum.forecast, ugpum.train.loop; "
+            "print(sorted(m for m in sys.modules if m.startswith('ugpum.commands')))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -1,0 +1,45 @@
+"""`python -m ugpum VERB`: one module per verb. The verbs are the only part of `ugpum` that builds
+ComfyUI's models (through `comfy_bridge`, see `bridge.py`); the engine takes them from its caller."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from ..arch import UnknownModel
+from ..devices import DeviceError
+from ..plan import PlanError
+from ..train.config import ConfigError
+from .bench import add_bench_parser, run_bench
+from .demo import add_demo_parser, run_demo
+from .doctor import add_doctor_parser, run_doctor
+from .download import add_download_parser, run_download
+from .errors import UsageError
+from .plan import add_plan_parser, run_plan
+from .train import add_train_parser, run_train
+
+COMMANDS = {"plan": (add_plan_parser, run_plan), "train": (add_train_parser, run_train),
+            "demo": (add_demo_parser, run_demo), "download": (add_download_parser, run_download),
+            "doctor": (add_doctor_parser, run_doctor), "bench": (add_bench_parser, run_bench)}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m ugpum", description="UGPUM: LoRA training split over GPUs")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add, _ in COMMANDS.values():
+        add(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command][1](args)
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+    except (UsageError, UnknownModel, PlanError, ConfigError, DeviceError, ValueError, RuntimeError, OSError) as e:
+        if os.environ.get("UGPUM_DEBUG"):
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,61 @@
+"""`python -m ugpum plan`: split a model over GPUs and forecast memory and step time, loading nothing."""
+from __future__ import annotations
+
+import argparse
+import json
+
+from ..arch import Workload, get_spec, recognise
+from ..devices import resolve_devices
+from ..forecast import format_plan
+from ..pipeline import SCHEDULES
+from ..plan import plan_training
+from .errors import UsageError
+
+
+def resolution(text: str) -> tuple[int, int]:
+    """'1024' -> (1024, 1024); '832x480' -> (832, 480)."""
+    w, _, h = text.lower().partition("x")
+    try:
+        width, height = int(w), int(h or w)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--resolution {text!r}: give pixels, e.g. 1024 or 832x480")
+    if width % 16 or height % 16 or width <= 0 or height <= 0:
+        raise argparse.ArgumentTypeError(f"--resolution {text!r}: width and height must be positive multiples of 16")
+    return width, height
+
+
+def add_plan_parser(sub) -> None:
+    p = sub.add_parser("plan", help="split a model over GPUs and forecast memory and step time")
+    p.add_argument("--model", required=True, help="model id (e.g. flux2-klein-9b) or a .safetensors DiT file")
+    p.add_argument("--gpu", action="append", required=True, metavar="SPEC",
+                   help="a GPU: auto, cuda:N, a size (16GiB), or a preset (rtx4090), optionally @pcie4x4; repeat")
+    p.add_argument("--resolution", type=resolution, default=(1024, 1024), metavar="PX",
+                   help="one side (square) or WIDTHxHEIGHT, e.g. 832x480 for Wan's 480p")
+    p.add_argument("--frames", type=int, default=1, help="video frames per clip (Wan: 4k+1, e.g. 17 or 33)")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    p.add_argument("--schedule", choices=["auto", *SCHEDULES], default="auto",
+                   help="order of the micro-batches over the stages (auto: the fastest for the split)")
+    p.add_argument("--rank", type=int, default=16, help="LoRA rank")
+    p.add_argument("--dtype", choices=["bf16", "fp8"], default="bf16", help="base weight dtype")
+    p.add_argument("--checkpointing", choices=["block", "none"], default="block")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+def spec_for(model: str):
+    return recognise(model)[0] if model.endswith(".safetensors") else get_spec(model)
+
+
+def run_plan(args) -> int:
+    spec = spec_for(args.model)
+    for name in ("batch", "grad_accum", "rank"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
+    if spec.frames_error(args.frames):
+        raise UsageError(f"--frames {args.frames}: {spec.frames_error(args.frames)}")
+    w = Workload(width=args.resolution[0], height=args.resolution[1], frames=args.frames, batch=args.batch,
+                 checkpointing=args.checkpointing == "block", weight_dtype=args.dtype, rank=args.rank)
+    devices = resolve_devices(args.gpu, spec)
+    plan = plan_training(spec, devices, w, grad_accum=args.grad_accum, schedule=args.schedule)
+    print(json.dumps(plan.to_json(), indent=1) if args.json else format_plan(plan))
+    return 0

@@ -1,0 +1,166 @@
+"""`python -m ugpum train`: a LoRA from a profile or a config, on real model files or a tiny model.
+
+The engine (`ugpum.train.loop.train`) takes the DiT and the encoders from its caller; this verb,
+the demo and the nodes are its callers. Here the DiT is ComfyUI's own module class (built on the
+meta device and streamed from its file by the plan), and the text encoder and VAE are loaded by
+ComfyUI's own loaders, as the stock CLIPLoader and VAELoader load them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..arch import get_spec, recognise
+from ..devices import CPU_TRAINABLE_PARAMS
+from ..dtypes import TORCH_DTYPES
+from ..train.config import PROFILES, TrainConfig, load_config
+from .bridge import comfy_bridge
+from .errors import UsageError
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    """What a real-model run loads: the DiT, its text encoder and its VAE."""
+    dit: Path
+    text_encoder: Path
+    vae: Path
+
+
+def add_train_parser(sub) -> None:
+    p = sub.add_parser("train", help="train a LoRA (the engine the LoRA Trainer node uses)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--config", help="a TOML file of TrainConfig settings (top level or [train])")
+    src.add_argument("--profile", help="a built-in profile: " + ", ".join(PROFILES))
+    p.add_argument("--dataset", help="folder of images or clips (Wan) with same-stem .txt captions, "
+                                     "or a musubi dataset .toml")
+    p.add_argument("--models", metavar="DIR", help="ComfyUI's models/ folder holding the profile's DiT, text "
+                                                   "encoder and VAE (what `python -m ugpum download` puts there)")
+    p.add_argument("--model", help="the DiT .safetensors file (its header names the model)")
+    p.add_argument("--text-encoder", metavar="FILE", help="the text encoder file (as ComfyUI's CLIPLoader loads it)")
+    p.add_argument("--vae", metavar="FILE", help="the VAE file (as ComfyUI's VAELoader loads it)")
+    p.add_argument("--devices", help="auto, cuda:0,cuda:1 or cpu,cpu")
+    p.add_argument("--steps", type=int)
+    p.add_argument("--frames", type=int, help="Wan clips: frames from each clip's start (4k+1, e.g. 17 or 33)")
+    p.add_argument("--batch", type=int, help="samples per micro-batch (items of one bucket and text length)")
+    p.add_argument("--grad-accum", type=int)
+    p.add_argument("--schedule", choices=["auto", "sequential", "gpipe", "1f1b"],
+                   help="order of the micro-batches over the stages (default auto: the best for the plan)")
+    p.add_argument("--resume", metavar="DIR", help="continue the run whose output folder is DIR")
+    p.add_argument("--out", help="output folder (LoRA, metrics.jsonl, samples/, checkpoints/)")
+    p.add_argument("--stand-in-encoders", action="store_true",
+                   help="fixed random encoders instead of a VAE/text encoder (benchmarks on random weights)")
+    p.add_argument("--sample-every", type=int, help="render a sample every N steps (0: never)")
+
+
+def config_from_args(args) -> TrainConfig:
+    if not args.config and not args.profile:
+        raise UsageError("give --config FILE.toml or --profile NAME (" + ", ".join(PROFILES) + ")")
+    overrides = {"dataset": args.dataset, "steps": args.steps, "frames": args.frames, "batch": args.batch,
+                 "grad_accum": args.grad_accum, "schedule": args.schedule,
+                 "devices": args.devices.split(",") if args.devices else None,
+                 "stand_in_encoders": True if args.stand_in_encoders else None,
+                 "sample_every": args.sample_every}
+    if args.model:
+        overrides["model"] = recognise(args.model)[0].id
+        overrides["model_file"] = args.model
+    return load_config(args.profile or "", args.config or "", overrides)
+
+
+def model_files(cfg: TrainConfig, models: str | None, dit: str | None, text_encoder: str | None,
+                vae: str | None) -> ModelFiles | None:
+    """The files of a real-model run: explicit paths first, the rest from a ComfyUI models/ folder by
+    the catalog's names; None for runs without real encoders (tiny models, stand-in benchmarks).
+    Anything missing is one sentence naming each file and the command that fetches them."""
+    from .. import models_catalog as catalog
+    spec = get_spec(cfg.model)
+    if cfg.stand_in_encoders:
+        if text_encoder or vae or models:
+            raise UsageError("--stand-in-encoders replaces the text encoder and VAE; drop --models, "
+                             "--text-encoder and --vae (or drop --stand-in-encoders)")
+        return None
+    if models is None and not (text_encoder and vae):
+        if spec.params <= CPU_TRAINABLE_PARAMS and not (text_encoder or vae):
+            return None                                       # tiny models: stand-in encoders
+        raise UsageError(f"{spec.id} needs its text encoder and VAE: give --models <ComfyUI>/models (the files "
+                         f"`{catalog.download_command(cfg.model)}` puts there), or "
+                         "--text-encoder FILE --vae FILE")
+    explicit = {"dit": dit or cfg.model_file or None, "text_encoder": text_encoder, "vae": vae}
+    entry = catalog.MODELS.get(spec.id)
+    chosen: dict[str, Path] = {}
+    missing: list[str] = []
+    for role, given in explicit.items():
+        if given:
+            path = Path(given).expanduser()
+            if not path.is_file():
+                flag = {"dit": "--model", "text_encoder": "--text-encoder", "vae": "--vae"}[role]
+                missing.append(f"{flag} {path} (no such file)")
+            chosen[role] = path
+            continue
+        if models is None or entry is None:
+            flag = {"dit": "--model FILE", "text_encoder": "--text-encoder FILE", "vae": "--vae FILE"}[role]
+            raise UsageError(f"{spec.id}: no {catalog.ROLE_NAMES[role]} given; add {flag}")
+        root = Path(models).expanduser()
+        if not root.is_dir():
+            raise UsageError(f"--models {root}: no such folder (give ComfyUI's models/ folder)")
+        files = [entry.dit[cfg.weight_dtype] if role == "dit" and cfg.weight_dtype in entry.dit
+                 else entry.dit[entry.default_dtype] if role == "dit"
+                 else getattr(entry, role)]
+        path = files[0].dest(root)
+        if not path.is_file():
+            missing.append(f"{files[0].folder}/{files[0].filename}")
+        chosen[role] = path
+    if missing:
+        where = f" in {models}" if models else ""
+        raise UsageError(f"{spec.title}: missing {', '.join(missing)}{where}; get them with "
+                         f"{catalog.download_command(cfg.model, models)}")
+    return ModelFiles(chosen["dit"], chosen["text_encoder"], chosen["vae"])
+
+
+def build_model(cfg: TrainConfig, bridge=None):
+    """(DiT, key prefix): ComfyUI's module on the meta device (streamed from `cfg.model_file` when
+    placed), or seeded random weights for a tiny model without a file."""
+    bridge = bridge or comfy_bridge()
+    return bridge.build_dit(get_spec(cfg.model), TORCH_DTYPES[cfg.weight_dtype], cfg.model_file, seed=cfg.seed)
+
+
+def build_encoders(cfg: TrainConfig, files: ModelFiles | None, bridge=None):
+    """ComfyUI's text encoder and VAE from `files` (checked against this ComfyUI first), else the
+    stand-ins of tiny models and benchmarks."""
+    spec = get_spec(cfg.model)
+    if files is None:
+        if not (cfg.stand_in_encoders or spec.params <= CPU_TRAINABLE_PARAMS):
+            raise UsageError(f"{spec.id} needs its text encoder and VAE: give --models <ComfyUI>/models, or "
+                             "--text-encoder FILE --vae FILE (or --stand-in-encoders for a benchmark on random weights)")
+        from ..train.encoders import StandInEncoders
+        return StandInEncoders(spec)
+    bridge = bridge or comfy_bridge()
+    bridge.check_text_encoder_support(spec)
+    return bridge.load_encoders(files.text_encoder, files.vae, spec.family, devices=cfg.devices)
+
+
+def run_training(cfg: TrainConfig, out: str | Path, files: ModelFiles | None = None, **hooks):
+    """One training run from the command line (or a test, or the demo): the ComfyUI to use, the DiT,
+    the encoders, then the engine. `hooks` go to `ugpum.train.loop.train` (resume, log, ...)."""
+    from ..train.loop import train
+    bridge = comfy_bridge()
+    import torch
+    bridge.import_comfy(bridge.find_comfyui_or_raise(), cpu=not torch.cuda.is_available())
+    if files is not None:
+        cfg.model_file = str(files.dit)
+    encoders = build_encoders(cfg, files, bridge)
+    model, key_prefix = build_model(cfg, bridge)
+    with bridge.comfy_training_mode():
+        return train(cfg, out, model=model, encoders=encoders, key_prefix=key_prefix, **hooks)
+
+
+def run_train(args) -> int:
+    out = args.out or args.resume
+    if not out:
+        raise UsageError("give --out DIR (or --resume DIR to continue a run)")
+    cfg = config_from_args(args)
+    if not cfg.dataset:
+        raise UsageError("no dataset: give --dataset DIR (or set dataset in the config)")
+    files = model_files(cfg, args.models, args.model, args.text_encoder, args.vae)
+    result = run_training(cfg, out, files, resume=bool(args.resume))
+    print(f"LoRA: {result.lora_path}")
+    return 0
