@@ -169,7 +169,8 @@ class LoRATrainer(io.ComfyNode):
                 io.Int.Input("sample_every", default=100, min=0, max=100000, display_name="sample every",
                              tooltip="Steps between preview samples during training; 0: none."),
                 io.String.Input("save_name", default="loranne_klein9b", display_name="save name",
-                                tooltip="File name in models/loras/ugpum/ (an existing file is replaced)."),
+                                tooltip="File name in models/loras/ugpum/. A name an earlier run took is refused: "
+                                        "give a new one, or turn on resume to continue that run."),
                 io.Clip.Input("clip", optional=True,
                               tooltip="The model's text encoder (CLIPLoader, type flux2 for FLUX.2, wan for "
                                       "Wan 2.1). Needed for every real model."),
@@ -209,7 +210,7 @@ class LoRATrainer(io.ComfyNode):
         from ugpum.dtypes import TORCH_DTYPES
         from ugpum.report import loss_curve
         from ugpum.train.checkpoint import latest_checkpoint
-        from ugpum.train.loop import train
+        from ugpum.train.loop import earlier_run, train
 
         from .comfy_glue import build_meta_model, free_comfy_memory, pil_to_image
 
@@ -224,6 +225,11 @@ class LoRATrainer(io.ComfyNode):
                               sample_prompt, sample_every, save_name, frame_stride, timesteps)
             encoders = make_encoders(model, clip, vae, cfg.devices)
         resumed = resume and latest_checkpoint(out) is not None        # nothing saved yet: start over
+        if not resumed:                                  # a new run never replaces an earlier one
+            held = earlier_run(out, cfg) or (f"{lora_name} in the LoRA list" if dest.exists() else None)
+            if held:
+                raise UGPUMError(f"{NODE}: save name {cfg.output_name!r} is taken by an earlier run ({held}); "
+                                 "give a new save name, or turn on resume to continue that run.")
         bar = comfy.utils.ProgressBar(steps)
         t_start = time.perf_counter()
 

@@ -385,6 +385,28 @@ def test_cancel_during_training_saves_a_loadable_lora(server):
     assert [json.loads(l)["step"] for l in metrics.read_text().splitlines()] == list(range(1, step + 3))
 
 
+def test_a_save_name_taken_by_an_earlier_run_is_refused_and_resume_continues_only_that_run(server):
+    assert_success(server.run(tiny_training_prompt("tiny_taken", steps=2), timeout=300), server)
+    saved = server.base / "models" / "loras" / "ugpum" / "tiny_taken.safetensors"
+    before = saved.read_bytes()
+    error = execution_error(server.run(tiny_training_prompt("tiny_taken", steps=3), timeout=120))
+    assert error and "save name 'tiny_taken' is taken by an earlier run" in error["exception_message"], error
+    assert "turn on resume" in error["exception_message"] and saved.read_bytes() == before
+    # resume with another rank: refused by name, nothing changed
+    other = tiny_training_prompt("tiny_taken", steps=3)
+    other["2"]["inputs"]["rank"] = 8
+    other["3"]["inputs"]["resume"] = True
+    error = execution_error(server.run(other, timeout=120))
+    assert error and "rank (4 in the checkpoint, 8 now)" in error["exception_message"], error
+    assert saved.read_bytes() == before
+    # resume with more steps: it continues
+    more = tiny_training_prompt("tiny_taken", steps=3)
+    more["3"]["inputs"]["resume"] = True
+    entry = server.run(more, timeout=300)
+    assert_success(entry, server)
+    assert "3 steps (resumed at step 2)" in ui_text(entry, "3")
+
+
 # ------------------------------------------------------------------------------------ workflow
 
 FRONTEND_ONLY = {"Note", "MarkdownNote", "Reroute", "PrimitiveNode"}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 from ..arch import UnknownModel
@@ -35,9 +36,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return COMMANDS[args.command][1](args)
-    except KeyboardInterrupt:
-        print("\ninterrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as stop:                   # Ctrl-C, or SIGTERM (ugpum.train.stopping)
+        signum = getattr(stop, "signum", signal.SIGINT)
+        print(f"\nstopped by {signal.Signals(signum).name}", file=sys.stderr)
+        return 128 + signum
     except (UsageError, UnknownModel, PlanError, ConfigError, DeviceError, ValueError, RuntimeError, OSError) as e:
         if os.environ.get("UGPUM_DEBUG"):
             raise

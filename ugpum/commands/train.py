@@ -28,9 +28,9 @@ class ModelFiles:
 
 def add_train_parser(sub) -> None:
     p = sub.add_parser("train", help="train a LoRA (the engine the LoRA Trainer node uses)")
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--config", help="a TOML file of TrainConfig settings (top level or [train])")
-    src.add_argument("--profile", help="a built-in profile: " + ", ".join(PROFILES))
+    p.add_argument("--profile", help="a built-in profile: " + ", ".join(PROFILES))
+    p.add_argument("--config", help="a TOML file of TrainConfig settings (top level or [train]); with --profile, "
+                                    "it changes the profile's settings")
     p.add_argument("--dataset", help="folder of images or clips (Wan) with same-stem .txt captions, "
                                      "or a musubi dataset .toml")
     p.add_argument("--models", metavar="DIR", help="ComfyUI's models/ folder holding the profile's DiT, text "
@@ -45,8 +45,9 @@ def add_train_parser(sub) -> None:
     p.add_argument("--grad-accum", type=int)
     p.add_argument("--schedule", choices=["auto", "sequential", "gpipe", "1f1b"],
                    help="order of the micro-batches over the stages (default auto: the best for the plan)")
-    p.add_argument("--resume", metavar="DIR", help="continue the run whose output folder is DIR")
-    p.add_argument("--out", help="output folder (LoRA, metrics.jsonl, samples/, checkpoints/)")
+    p.add_argument("--resume", metavar="DIR", help="continue the run whose output folder is DIR (the same run only)")
+    p.add_argument("--out", help="output folder (LoRA, metrics.jsonl, samples/, checkpoints/) of a new run")
+    p.add_argument("--overwrite", action="store_true", help="replace an earlier run in --out (default: refuse)")
     p.add_argument("--stand-in-encoders", action="store_true",
                    help="fixed random encoders instead of a VAE/text encoder (benchmarks on random weights)")
     p.add_argument("--sample-every", type=int, help="render a sample every N steps (0: never)")
@@ -60,10 +61,15 @@ def config_from_args(args) -> TrainConfig:
                  "devices": args.devices.split(",") if args.devices else None,
                  "stand_in_encoders": True if args.stand_in_encoders else None,
                  "sample_every": args.sample_every}
+    cfg = load_config(args.profile or "", args.config or "", overrides)
     if args.model:
-        overrides["model"] = recognise(args.model)[0].id
-        overrides["model_file"] = args.model
-    return load_config(args.profile or "", args.config or "", overrides)
+        found = recognise(args.model)[0].id
+        if found != cfg.model:
+            source = f"profile {args.profile}" if args.profile else f"config {args.config}"
+            raise UsageError(f"--model {args.model} holds {found}, but {source} trains {cfg.model}; give a "
+                             f"{cfg.model} file, or a profile or config for {found}")
+        cfg.model_file = args.model
+    return cfg
 
 
 def model_files(cfg: TrainConfig, models: str | None, dit: str | None, text_encoder: str | None,
@@ -154,13 +160,18 @@ def run_training(cfg: TrainConfig, out: str | Path, files: ModelFiles | None = N
 
 
 def run_train(args) -> int:
-    out = args.out or args.resume
+    if args.resume and args.out and Path(args.resume).resolve() != Path(args.out).resolve():
+        raise UsageError(f"--resume {args.resume} continues the run in that folder; drop --out {args.out} "
+                         "(a resumed run stays in its own folder)")
+    if args.resume and args.overwrite:
+        raise UsageError("--resume continues a run and --overwrite replaces one: give one of them")
+    out = args.resume or args.out
     if not out:
         raise UsageError("give --out DIR (or --resume DIR to continue a run)")
     cfg = config_from_args(args)
     if not cfg.dataset:
         raise UsageError("no dataset: give --dataset DIR (or set dataset in the config)")
     files = model_files(cfg, args.models, args.model, args.text_encoder, args.vae)
-    result = run_training(cfg, out, files, resume=bool(args.resume))
+    result = run_training(cfg, out, files, resume=bool(args.resume), overwrite=args.overwrite)
     print(f"LoRA: {result.lora_path}")
     return 0

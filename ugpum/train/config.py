@@ -53,7 +53,9 @@ class TrainConfig:
                                           # default (4.0, ComfyUI's FLUX.2 template)
     devices: list[str] = field(default_factory=lambda: ["auto"])
     schedule: str = "auto"                # micro-batch order: auto | sequential | gpipe | 1f1b
-    save_every: int = 0                   # checkpoint every N steps (0: only at the end)
+    save_every: int = 0                   # a checkpoint (and LoRA) every N steps; 0: by time only
+    save_every_minutes: float = 10.0      # ... and whenever this much training time passed since the last
+                                          # (0: off); every stop saves as well (Ctrl-C, SIGTERM, Cancel, errors)
     sample_every: int = 10                # 0: no samples
     sample_prompt: str = ""
     sample_steps: int = 0                 # 0: the model's default
@@ -74,7 +76,8 @@ class TrainConfig:
         need(self.frame_stride >= 1, "frame_stride", "must be at least 1")
         for name in ("repeats", "steps", "batch", "grad_accum", "rank"):
             need(getattr(self, name) >= 1, name, "must be at least 1")
-        for name in ("warmup_steps", "save_every", "sample_every", "sample_steps", "max_grad_norm"):
+        for name in ("warmup_steps", "save_every", "save_every_minutes", "sample_every", "sample_steps",
+                     "max_grad_norm"):
             need(getattr(self, name) >= 0, name, "must not be negative")
         need(0 <= self.caption_dropout < 1, "caption_dropout", "must be in [0, 1)")
         need(self.lr > 0, "lr", "must be positive")

@@ -4,9 +4,11 @@ Read it top to bottom: `train()` is the whole story; the helpers above it each d
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +28,8 @@ from ..place import place_by_plan
 from ..report import grid, save_animation, to_pil
 from ..plan import Plan, plan_training
 from .cache import FeatureCache, dataset_hash
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import (check_same_run, disk_full, header_digest, latest_checkpoint, load_checkpoint,
+                         remove_leftovers, save_checkpoint)
 from .config import TrainConfig
 from .dataset import ImageItem, caption_dropout
 from .musubi_toml import load_musubi_toml
@@ -34,12 +37,17 @@ from .encoders import Encoders
 from .flow import flow_loss, noisy, sample_timesteps, timestep_method
 from .lora import LoraSet, attach_lora, lora_targets
 from .progress import Progress
+from .stopping import saving, stop_on_sigterm
 from .flow_sampler import pad_flux2_context
 from .render_prompt import render
 from .video import ClipItem, load_folder
 
 class TrainingError(RuntimeError):
     pass
+
+
+class RunExists(TrainingError):
+    """The output folder holds an earlier run; the message says how to continue or replace it."""
 
 
 @dataclass
@@ -227,29 +235,121 @@ def prepare_model(cfg: TrainConfig, spec, plan: Plan, model, key_prefix: str = "
     return model, lora, placement.layout, release
 
 
-def save_final_lora(cfg: TrainConfig, spec, lora: LoraSet, out: Path, steps: int, items, name: str) -> Path:
+def save_final_lora(cfg: TrainConfig, spec, lora: LoraSet, out: Path, steps: int, data_hash: str, name: str) -> Path:
     meta = lora_metadata(architecture=f"{spec.title}/lora", base_model=spec.id, title=cfg.output_name,
                          target_modules=sorted({p.rsplit(".", 1)[0] + "." + p.rsplit(".", 1)[1] for p, _ in lora.items()}),
-                         steps=steps, resolution=cfg.resolution, dataset_hash=dataset_hash(items),
-                         implementation="ugpum")
+                         steps=steps, resolution=cfg.resolution, dataset_hash=data_hash, implementation="ugpum")
     tensors = {path: (a.A.detach().cpu(), a.B.detach().cpu()) for path, a in lora.items()}
-    return save_lora(out / name, tensors, cfg.rank, cfg.alpha, meta, dtype=torch.float32)
+    try:
+        return save_lora(out / name, tensors, cfg.rank, cfg.alpha, meta, dtype=torch.float32)
+    except Exception as err:
+        full = disk_full(err, f"the LoRA {name}", out, sum(a.A.numel() + a.B.numel() for _, a in lora.items()) * 4)
+        if full is err:
+            raise
+        raise full from err
+
+
+def lora_shapes(cfg: TrainConfig, spec) -> dict[str, list[int]]:
+    """Every adapter's [rank, in, out], from the model's description alone (before anything is built)."""
+    shapes = {}
+    for block in spec.blocks:
+        for lin in block.linears:
+            path = f"{block.path}.{lin.path}"
+            if path in lora_targets([block.path], [(lin,)], tuple(cfg.targets)):
+                shapes[path] = [cfg.rank, lin.in_features, lin.out_features]
+    return shapes
+
+
+def run_identity(cfg: TrainConfig, spec, data_hash: str) -> dict:
+    """What makes a run this run, recorded in every checkpoint and compared on resume: the whole
+    config, the dataset's content hash, the model (and its file's header digest), the LoRA's shapes."""
+    return {"config": dataclasses.asdict(cfg), "dataset_hash": data_hash, "lora_shapes": lora_shapes(cfg, spec),
+            "model": {"id": spec.id, "family": spec.family,
+                      "header_digest": header_digest(cfg.model_file) if cfg.model_file else None}}
+
+
+RUN_FILES = ("metrics.jsonl", "checkpoints", "plan.json", "samples")
+
+
+def earlier_run(out: Path, cfg: TrainConfig) -> str | None:
+    """What an earlier run trained into `out` (steps logged, a checkpoint, a LoRA), or None when it
+    holds nothing trained (a fresh folder, or a run that stopped before its first step)."""
+    metrics = out / "metrics.jsonl"
+    found = [f"metrics of {len(metrics.read_text().splitlines())} step(s)"] \
+        if metrics.is_file() and metrics.stat().st_size else []
+    checkpoint = latest_checkpoint(out)
+    found += [f"checkpoint {checkpoint.name}"] if checkpoint else []
+    found += sorted(p.name for p in out.glob(f"{cfg.output_name}*.safetensors"))
+    return ", ".join(found) or None
+
+
+def clear_earlier_run(out: Path, cfg: TrainConfig) -> None:
+    """--overwrite: remove an earlier run's files (the feature cache stays: it is keyed by content)."""
+    for name in RUN_FILES:
+        path = out / name
+        shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+    for path in out.glob(f"{cfg.output_name}*.safetensors"):
+        path.unlink()
+
+
+def resume_point(out: Path, cfg: TrainConfig, identity: dict, log) -> tuple[Path, int]:
+    """The checkpoint a resume continues from and its step, after checking it is this run's, lies
+    within the run's steps and agrees with the metrics; a sentence otherwise."""
+    folder = latest_checkpoint(out)
+    if folder is None:
+        raise TrainingError(f"--resume {out}: no complete checkpoint in {out / 'checkpoints'}")
+    state = json.loads((folder / "state.json").read_text())
+    check_same_run(state.get("identity") or {}, identity, folder)
+    step = state["step"]
+    if not 0 < step <= cfg.steps:
+        more = f"; set steps above {step} to train on" if step > cfg.steps else ""
+        raise TrainingError(f"--resume {out}: its checkpoint is at step {step}, outside this run's 1..{cfg.steps}{more}")
+    metrics = out / "metrics.jsonl"
+    try:
+        logged = [json.loads(line)["step"] for line in metrics.read_text().splitlines()] if metrics.is_file() else []
+    except (ValueError, KeyError, TypeError):
+        logged = None
+    if logged is None or logged[:step] != list(range(1, step + 1)):
+        raise TrainingError(f"--resume {out}: metrics.jsonl does not record steps 1..{step} of its checkpoint "
+                            "(edited or from another run); it cannot be trusted: start a new run in another folder")
+    log(f"resumed from {folder} at step {step}")
+    return folder, step
 
 
 def train(cfg: TrainConfig, out: str | Path, model: torch.nn.Module, encoders: Encoders, key_prefix: str = "",
-          resume: bool = False, on_step: Callable[[int, int, float], None] | None = None,
+          resume: bool = False, overwrite: bool = False, on_step: Callable[[int, int, float], None] | None = None,
           check_interrupt: Callable[[], None] | None = None, log=print,
           on_sample: Callable[[int, object], None] | None = None, plan: Plan | None = None,
           on_partial_lora: Callable[[Path], None] | None = None) -> TrainResult:
     """Train `cfg`'s LoRA on `model` (ComfyUI's DiT module, on the meta device to be streamed from
     `cfg.model_file`, or with weights) with `encoders`, into `out`. `plan`: the one the Partition
-    Planner showed; None plans here, with the same function."""
+    Planner showed; None plans here, with the same function. `resume` continues the run in `out` (only
+    the same run); a new run never replaces an earlier one unless `overwrite`. Every way the run ends
+    keeps every completed step: a checkpoint, and the LoRA so far (`on_partial_lora` hears of it)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     spec = get_spec(cfg.model)
+    removed = remove_leftovers(out)
+    if removed:
+        log(f"removed {len(removed)} temporary file(s) an interrupted save left in {out}")
 
-    # 1. data, then every latent and caption embedding through the cache (encoders released after)
+    # 1. the data, and whether this run may start or continue here (before any work)
     items = load_items(cfg)
+    data_hash = dataset_hash(items)
+    identity = run_identity(cfg, spec, data_hash)
+    if resume:
+        checkpoint, start = resume_point(out, cfg, identity, log)
+    else:
+        checkpoint, start = None, 0
+        held = earlier_run(out, cfg)
+        if held and not overwrite:
+            raise RunExists(f"{out} holds an earlier run ({held}); continue it with --resume {out}, train into "
+                            "another folder, or pass --overwrite to replace it")
+        clear_earlier_run(out, cfg)                      # (what a run that never stepped left, or --overwrite)
+        if held:
+            log(f"--overwrite: removed the earlier run in {out}")
+
+    # 2. every latent and caption embedding through the cache (encoders released after)
     cache = FeatureCache(cfg.cache_dir or out / "cache", encoders)
     try:
         latents = [cache.latent(item) for item in items]
@@ -265,7 +365,7 @@ def train(cfg: TrainConfig, out: str | Path, model: torch.nn.Module, encoders: E
             release_encoders()
     log(f"features: {len(items)} items, cache {cache.hits} hit(s), {cache.misses} computed")
 
-    # 2. plan, then the placed model with its LoRA
+    # 3. plan, then the placed model with its LoRA
     plan = plan or plan_for(cfg)
     write_json_atomic(out / "plan.json", plan.to_json())
     cuda_devices = sorted({s.torch_device for s in plan.stages if s.torch_device.startswith("cuda")})
@@ -273,38 +373,36 @@ def train(cfg: TrainConfig, out: str | Path, model: torch.nn.Module, encoders: E
     if cfg.guidance is not None and not spec.guidance:
         log(f"note: setting 'guidance' = {cfg.guidance} is ignored: {spec.id} has no guidance embedding")
     model, lora, layout, release = prepare_model(cfg, spec, plan, model, key_prefix)
-    schedule = plan.schedule
+    try:
+        return _steps(cfg, spec, out, model, lora, layout, plan, items, latents, contexts, data_hash, identity,
+                      checkpoint, start, cuda_devices, encoders, prompt if cfg.sample_every else None,
+                      negative if cfg.sample_every else None, cache, on_step, check_interrupt, log, on_sample,
+                      on_partial_lora)
+    finally:
+        release()
+
+
+def _steps(cfg, spec, out, model, lora, layout, plan, items, latents, contexts, data_hash, identity, checkpoint,
+           start, cuda_devices, encoders, prompt, negative, cache, on_step, check_interrupt, log, on_sample,
+           on_partial_lora) -> TrainResult:
+    """The optimizer steps, the final save, validation and samples (train()'s second half)."""
     if cfg.grad_accum > 1:
-        log(f"micro-batch schedule: {schedule}")
+        log(f"micro-batch schedule: {plan.schedule}")
     params = [p for _, a in lora.items() for p in (a.A, a.B)]
     optimizer = make_optimizer(cfg, params)
-
-    # 3. resume where a previous run stopped
-    start = 0
     metrics_path = out / "metrics.jsonl"
-    if resume:
-        folder = latest_checkpoint(out)
-        if folder is None:
-            raise TrainingError(f"--resume: no checkpoint in {out / 'checkpoints'}")
-        start = load_checkpoint(folder, lora, optimizer)["step"]
-        log(f"resumed from {folder} at step {start}")
-        kept = [l for l in metrics_path.read_text().splitlines() if json.loads(l)["step"] <= start] \
-            if metrics_path.is_file() else []
-        metrics_path.write_text("".join(l + "\n" for l in kept))
-    elif metrics_path.exists():
-        metrics_path.unlink()
+    if checkpoint is not None:
+        load_checkpoint(checkpoint, lora, optimizer)
+        kept = metrics_path.read_text().splitlines()[:start]             # steps after the checkpoint retrain
+        metrics_path.write_text("".join(line + "\n" for line in kept))
 
-    # 4. steps
     first = layout.first                                  # where the model's inputs go
     losses: list[float] = []
-    step = start
+    step = saved = start                                  # `saved`: the step the newest save holds
     picks = validation_picks(items)
     micro_batches = MicroBatches([(tuple(latent.shape), model_context(spec, context).shape[1])
                                   for latent, context in zip(latents, contexts)], cfg.batch, cfg.seed)
-    validation_before = validation_loss(model, spec, cfg, latents, contexts, first, picks)
-    log(f"validation loss before: {validation_before:.4f}")
     samples: list[Path] = []
-
     # clips preview at the first clip's bucket (e.g. 832x480): the first frame as PNG (the before/after
     # grid, the node's preview) and the whole sampled clip as an animated WebP beside it
     sample_w, sample_h = next((i.bucket for i in items if isinstance(i, ClipItem)), (cfg.resolution,) * 2)
@@ -324,64 +422,81 @@ def train(cfg: TrainConfig, out: str | Path, model: torch.nn.Module, encoders: E
         if on_sample:
             on_sample(at, image)
 
-    if cfg.sample_every and start == 0:
-        take_sample(0)                                   # "before": the LoRA starts as a no-op
-    progress = Progress(cfg.steps, start)
-    for dev in cuda_devices:
-        torch.cuda.reset_peak_memory_stats(dev)
-    try:
-        while step < cfg.steps:
-            t0 = time.perf_counter()
-            for group in optimizer.param_groups:
-                group["lr"] = cfg.lr * lr_factor(cfg, step)
-            if check_interrupt:
-                check_interrupt()
+    def save(at: int, name: str, stopping: bool = False) -> Path:
+        """A checkpoint and the LoRA at step `at`, neither cut short by a signal."""
+        nonlocal saved
+        log(f"saving checkpoint and LoRA at step {at}")
+        with saving(log, stopping):
+            save_checkpoint(out, at, lora, optimizer, {"model": spec.id, "identity": identity,
+                                                       "interrupted": stopping})
+            path = save_final_lora(cfg, spec, lora, out, at, data_hash, name)
+            saved = at
+        return path
 
-            def one(k: int) -> torch.Tensor:
-                picked = micro_batches(k)
-                return micro_loss(model, spec, cfg, [latents[i] for i in picked], [contexts[i] for i in picked],
-                                  k, first) / cfg.grad_accum
-            ks = [step * cfg.grad_accum + j for j in range(cfg.grad_accum)]
-            loss = sum(float(x) for x in accumulate(one, ks, schedule, layout, model))
-            if cfg.max_grad_norm:
-                torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
-            losses.append(loss)
-            with open(metrics_path, "a") as f:
-                f.write(json.dumps({"step": step, "loss": loss, "lr": optimizer.param_groups[0]["lr"],
-                                    "seconds": round(time.perf_counter() - t0, 4)}) + "\n")
-            progress.update(step, loss)
-            if on_step:
-                on_step(step, cfg.steps, loss)
-            if cfg.save_every and step % cfg.save_every == 0 and step < cfg.steps:
-                save_checkpoint(out, step, lora, optimizer, {"model": spec.id})
-            if cfg.sample_every and step % cfg.sample_every == 0 and step < cfg.steps:
-                take_sample(step)
+    last_save_time = time.monotonic()
+    try:
+        with stop_on_sigterm():
+            validation_before = validation_loss(model, spec, cfg, latents, contexts, first, picks)
+            log(f"validation loss before: {validation_before:.4f}")
+            if cfg.sample_every and start == 0:
+                take_sample(0)                                   # "before": the LoRA starts as a no-op
+            progress = Progress(cfg.steps, start)
+            for dev in cuda_devices:
+                torch.cuda.reset_peak_memory_stats(dev)
+            while step < cfg.steps:
+                t0 = time.perf_counter()
+                for group in optimizer.param_groups:
+                    group["lr"] = cfg.lr * lr_factor(cfg, step)
+                if check_interrupt:
+                    check_interrupt()
+
+                def one(k: int) -> torch.Tensor:
+                    picked = micro_batches(k)
+                    return micro_loss(model, spec, cfg, [latents[i] for i in picked], [contexts[i] for i in picked],
+                                      k, first) / cfg.grad_accum
+                ks = [step * cfg.grad_accum + j for j in range(cfg.grad_accum)]
+                loss = sum(float(x) for x in accumulate(one, ks, plan.schedule, layout, model))
+                if cfg.max_grad_norm:
+                    torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                step += 1
+                losses.append(loss)
+                with open(metrics_path, "a") as f:
+                    f.write(json.dumps({"step": step, "loss": loss, "lr": optimizer.param_groups[0]["lr"],
+                                        "seconds": round(time.perf_counter() - t0, 4)}) + "\n")
+                progress.update(step, loss)
+                if on_step:
+                    on_step(step, cfg.steps, loss)
+                due = (cfg.save_every and step % cfg.save_every == 0) or \
+                    (cfg.save_every_minutes and time.monotonic() - last_save_time >= 60 * cfg.save_every_minutes)
+                if due and step < cfg.steps:
+                    save(step, f"{cfg.output_name}_step{step}.safetensors")
+                    last_save_time = time.monotonic()
+                if cfg.sample_every and step % cfg.sample_every == 0 and step < cfg.steps:
+                    take_sample(step)
+            # the trained LoRA first: what follows (validation, the "after" sample) can only be lost
+            lora_path = save(step, f"{cfg.output_name}.safetensors")
+            peak = {d: round(torch.cuda.max_memory_allocated(d) / 2**30, 3) for d in cuda_devices}
+            validation_after = validation_loss(model, spec, cfg, latents, contexts, first, picks)
+            log(f"validation loss after {step} steps: {validation_after:.4f}" +
+                "".join(f"; peak {d}: {g:.2f} GiB" for d, g in peak.items()))
+            grid_path = None
+            if cfg.sample_every:
+                take_sample(step)                                # "after"
+                grid_path = out / "samples" / "before_after.png"
+                from PIL import Image
+                with Image.open(samples[0]) as before, Image.open(samples[-1]) as after, \
+                        atomic_path(grid_path) as tmp:
+                    grid([("before", [before.copy()]), (f"after {step}", [after.copy()])]).save(tmp, format="PNG")
     except BaseException:
-        # Ctrl-C, ComfyUI's Cancel or an error: keep what the completed steps trained, then stop
-        if step > start:
-            save_checkpoint(out, step, lora, optimizer, {"model": spec.id, "interrupted": True})
-            partial = save_final_lora(cfg, spec, lora, out, step, items, f"{cfg.output_name}_step{step}.safetensors")
-            log(f"\nstopped at step {step}: checkpoint and LoRA saved in {out}")
+        # Ctrl-C, SIGTERM, ComfyUI's Cancel or an error: keep what the completed steps trained, then stop
+        if step > saved:
+            done = step == cfg.steps
+            partial = save(step, f"{cfg.output_name}{'' if done else f'_step{step}'}.safetensors", stopping=True)
+            log(f"\nstopped at step {step}: checkpoint and LoRA saved in {out}; continue with --resume {out}")
             if on_partial_lora:
                 on_partial_lora(partial)
-        release()
         raise
-    peak = {d: round(torch.cuda.max_memory_allocated(d) / 2**30, 3) for d in cuda_devices}
-    validation_after = validation_loss(model, spec, cfg, latents, contexts, first, picks)
-    log(f"validation loss after {step} steps: {validation_after:.4f}" +
-        "".join(f"; peak {d}: {g:.2f} GiB" for d, g in peak.items()))
-    save_checkpoint(out, step, lora, optimizer, {"model": spec.id})
-    lora_path = save_final_lora(cfg, spec, lora, out, step, items, f"{cfg.output_name}.safetensors")
-    grid_path = None
-    if cfg.sample_every:
-        take_sample(step)                                # "after"
-        grid_path = out / "samples" / "before_after.png"
-        from PIL import Image
-        with Image.open(samples[0]) as before, Image.open(samples[-1]) as after:
-            grid([("before", [before.copy()]), (f"after {step}", [after.copy()])]).save(grid_path)
-    release()
     return TrainResult(lora_path, step, losses, plan, cache.hits, cache.misses, validation_before,
                        validation_after, peak, samples, grid_path, resumed_at=start)

@@ -1,0 +1,66 @@
+"""How a run stops without losing what it trained.
+
+Ctrl-C raises KeyboardInterrupt; SIGTERM (`kill`, `timeout`, `docker stop`, systemd) is turned into the
+same (`Stopped`), so both take the path that saves a checkpoint and the LoRA so far. While a save is
+being written, both signals are held back (`saving`): a second Ctrl-C cannot cut a checkpoint in
+half. Signal handlers exist only in the main thread; elsewhere (ComfyUI runs nodes in a worker
+thread, and stops them with its own Cancel) these are no-ops.
+"""
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+
+
+class Stopped(KeyboardInterrupt):
+    """A stop asked for by a signal other than Ctrl-C."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+def _raise_stopped(signum, _frame):
+    raise Stopped(signum)
+
+
+@contextlib.contextmanager
+def stop_on_sigterm():
+    """SIGTERM stops the run the way Ctrl-C does (for the duration of the block)."""
+    if not _main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_stopped)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def saving(log, stopping: bool = False):
+    """Hold Ctrl-C and SIGTERM back while the block writes a save. A signal that came meanwhile stops
+    the run once the save is complete, unless the run is `stopping` already (then it is noted)."""
+    if not _main_thread():
+        yield
+        return
+    held: list[int] = []
+
+    def hold(signum, _frame):
+        held.append(signum)
+        log(f"{signal.Signals(signum).name}: finishing the save first, then stopping")
+    previous = {s: signal.signal(s, hold) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if held and not stopping:
+        if held[0] == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise Stopped(held[0])
