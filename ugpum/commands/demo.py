@@ -27,7 +27,7 @@ def run_real_demo(models: Path, steps: int | None, out_dir: Path, log) -> int:
         "sample_prompt": f"{TRIGGER}, waving, full body, on a beach", "output_name": "ugpum_klein9b_loranne"})
     files = model_files(cfg, str(models), None, None, None)
     (out_dir / "plan_report.txt").write_text(plan_report())
-    result = run_training(cfg, out_dir, files, log=log)
+    result = run_training(cfg, out_dir, files, log=log, overwrite=True)      # a demo replaces its last run
     loss_curve(result.losses).save(out_dir / "loss.png")
     log(f"LoRA: {result.lora_path}; before/after: {result.sample_grid}; plan report: {out_dir / 'plan_report.txt'}")
     return 0
@@ -60,7 +60,7 @@ def demo(models: str | None = None, steps: int | None = None, out: str = "out/de
                                                "steps": steps, "devices": ["auto"],
                                                "sample_prompt": f"{TRIGGER}, waving, full body, on a beach",
                                                "output_name": "ugpum_demo_loranne"})
-    result = run_training(cfg, out_dir, log=log)
+    result = run_training(cfg, out_dir, log=log, overwrite=True)      # a demo replaces its last run
     loss_curve(result.losses).save(out_dir / "loss.png")
     summary = {"lora": str(result.lora_path), "steps": result.steps_done,
                "validation_loss_before": result.validation_before, "validation_loss_after": result.validation_after,

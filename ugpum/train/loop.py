@@ -347,7 +347,7 @@ def train(cfg: TrainConfig, out: str | Path, model: torch.nn.Module, encoders: E
                             "another folder, or pass --overwrite to replace it")
         clear_earlier_run(out, cfg)                      # (what a run that never stepped left, or --overwrite)
         if held:
-            log(f"--overwrite: removed the earlier run in {out}")
+            log(f"replacing the earlier run in {out} (overwrite)")
 
     # 2. every latent and caption embedding through the cache (encoders released after)
     cache = FeatureCache(cfg.cache_dir or out / "cache", encoders)
