@@ -51,6 +51,12 @@ def add_train_parser(sub) -> None:
     p.add_argument("--stand-in-encoders", action="store_true",
                    help="fixed random encoders instead of a VAE/text encoder (benchmarks on random weights)")
     p.add_argument("--sample-every", type=int, help="render a sample every N steps (0: never)")
+    # past one machine (README "Past one machine"): under torchrun, one pipeline stage per rank
+    p.add_argument("--distributed", action="store_true",
+                   help="run as one rank of a torchrun job on torch.distributed.pipelining (N ranks = stages x "
+                        "--data-parallel)")
+    p.add_argument("--data-parallel", type=int, default=1, metavar="R",
+                   help="with --distributed: R replicas of the pipeline, LoRA gradients summed (default 1)")
 
 
 def config_from_args(args) -> TrainConfig:
@@ -172,6 +178,9 @@ def run_train(args) -> int:
     if not cfg.dataset:
         raise UsageError("no dataset: give --dataset DIR (or set dataset in the config)")
     files = model_files(cfg, args.models, args.model, args.text_encoder, args.vae)
+    if getattr(args, "distributed", False) or getattr(args, "data_parallel", 1) != 1:   # torchrun ... --distributed
+        from .train_distributed import run_train_distributed
+        return run_train_distributed(args, cfg, out, files, build_model, build_encoders)
     result = run_training(cfg, out, files, resume=bool(args.resume), overwrite=args.overwrite)
     print(f"LoRA: {result.lora_path}")
     return 0

@@ -1,0 +1,273 @@
+"""The same plan on torch.distributed.pipelining (README "Past one machine"), on the CPU with gloo.
+
+First the stage modules alone, in one process: a chain of stages of ComfyUI's tiny FLUX.2 and Wan
+gives the model's own loss and LoRA gradients. Then real torchrun jobs (`python -m
+torch.distributed.run ... -m ugpum train ... --distributed`): the LoRA after a few steps equals the
+single-process `python -m ugpum train` run with the same global batch (relative difference < 1e-6,
+fp32), for 2 ranks (2 stages) and 4 ranks (2 stages x 2 replicas), each schedule; a SIGTERM to one
+rank ends every rank with one sentence and a checkpoint that resumes exactly, with another number
+of replicas.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from comfy_bridge import find_comfyui
+
+pytestmark = pytest.mark.skipif(find_comfyui() is None, reason="needs ComfyUI's model classes")
+ROOT = Path(__file__).resolve().parent.parent
+DATASET = ROOT / "demo_datasets" / "loranne"
+
+
+# ------------------------------------------------------------------------------------ stages alone
+
+def _chain(stages, kwargs):
+    """Forward through the stages with a cut between each (as ranks are cut), then the backward of
+    each stage from the next one's input gradients; returns the model output and the loss fn."""
+    cuts, hidden = [], ()
+    for st in stages:
+        leaves = tuple(h.detach().requires_grad_() for h in hidden)
+        out = st(*leaves, **kwargs)
+        out = out if isinstance(out, tuple) else (out,)
+        cuts.append((leaves, out))
+        hidden = out
+    return hidden[0], cuts
+
+
+def _backward(loss, cuts):
+    grads = None
+    for leaves, out in reversed(cuts):
+        torch.autograd.backward([loss] if grads is None else list(out), grads)
+        grads = [leaf.grad for leaf in leaves]
+
+
+@pytest.mark.parametrize("profile, latent, splits", [
+    ("tiny-flux2", (128, 4, 4), ([(0, 1), (1, 5)], [(0, 2), (2, 3), (3, 5)])),
+    ("tiny-wan", (16, 2, 8, 8), ([(0, 1), (1, 2), (2, 3)],)),
+])
+def test_a_chain_of_stages_is_the_models_own_forward(comfy, profile, latent, splits):
+    """Loss and every LoRA gradient of ComfyUI's forward, whatever the cut: inside FLUX.2's double
+    blocks, at the double/single boundary and inside the singles; Wan's blocks; 2 and 3 stages."""
+    from comfy_bridge import build_random
+    from ugpum.arch import get_spec
+    from ugpum.checkpointing import checkpoint_blocks
+    from ugpum.distributed.run import micro_batch_inputs
+    from ugpum.distributed.stages import stage_module, stage_ranges
+    from ugpum.inplace_guard import guard_inplace_residuals
+    from ugpum.train.config import load_config
+    from ugpum.train.flow import flow_loss, noisy
+    from ugpum.train.lora import attach_lora, lora_targets
+    from ugpum.train.loop import micro_loss
+    cfg = load_config(profile, overrides=dict(devices=["cpu"]))
+    spec = get_spec(cfg.model)
+    g = torch.Generator().manual_seed(0)
+    latents = [torch.randn(*latent, generator=g) for _ in range(2)]
+    contexts = [torch.randn(7, spec.context_dim, generator=g) for _ in range(2)]
+    model = build_random(spec, torch.float32, seed=3)
+    paths = [b.path for b in spec.blocks]
+    guard_inplace_residuals(model, include_rms=False)
+    checkpoint_blocks(model, paths)
+    lora = attach_lora(model, lora_targets(paths, [b.linears for b in spec.blocks]), 4, 4.0, seed=1)
+    with torch.no_grad():
+        for _, a in lora.items():
+            a.B.normal_(0, 0.1, generator=g)                     # not a no-op: B feeds the gradients of A
+    reference = micro_loss(model, spec, cfg, latents, contexts, 5, "cpu")
+    reference.backward()
+    expected = {p: (a.A.grad.clone(), a.B.grad.clone()) for p, a in lora.items()}
+    x0, noise, t, context = micro_batch_inputs(cfg, spec, latents, contexts, 5)
+    for bounds in splits:
+        for _, a in lora.items():
+            a.A.grad = a.B.grad = None
+        stages = [stage_module(model, spec, r) for r in stage_ranges(bounds)]
+        pred, cuts = _chain(stages, dict(x=noisy(x0, noise, t), timestep=t * spec.timestep_scale, context=context))
+        loss = flow_loss(pred.float(), x0, noise, t, cfg.weighting)
+        _backward(loss, cuts)
+        torch.testing.assert_close(loss, reference, rtol=1e-6, atol=0)
+        for path, a in lora.items():
+            for got, want in ((a.A.grad, expected[path][0]), (a.B.grad, expected[path][1])):
+                assert float((got - want).norm() / want.norm()) < 1e-6, (bounds, path)
+
+
+def test_a_rank_holds_only_its_share_and_its_lora_starts_as_attach_lora_starts_it(comfy):
+    from comfy_bridge import build_random
+    from ugpum.arch import get_spec
+    from ugpum.distributed.run import lora_params, stage_lora
+    from ugpum.distributed.stages import StageRange, keep_only
+    from ugpum.train.config import load_config
+    from ugpum.train.lora import attach_lora, lora_targets
+    cfg = load_config("tiny-flux2", overrides=dict(devices=["cpu"]))
+    spec = get_spec(cfg.model)
+    whole = build_random(spec, torch.float32, seed=0)
+    everything = attach_lora(whole, lora_targets([b.path for b in spec.blocks], [b.linears for b in spec.blocks]),
+                             cfg.rank, cfg.alpha, seed=cfg.seed)
+    model = build_random(spec, torch.float32, seed=0)
+    keep_only(model, spec, StageRange(2, 4, first=False, last=False))
+    names = {n.split(".")[0] for n, _ in model.named_parameters()}
+    assert "img_in" not in names and "final_layer" not in names and "time_in" in names
+    blocks = {".".join(n.split(".")[:2]) for n, _ in model.named_parameters() if n.split(".")[0].endswith("blocks")}
+    assert blocks == {"single_blocks.0", "single_blocks.1"}                # blocks 2 and 3 of the order
+    lora = stage_lora(model, cfg, spec, StageRange(2, 4, first=False, last=False))
+    mine = dict(lora_params(lora))
+    assert {".".join(n.split(".")[:2]) for n in mine} == blocks
+    for path, a in everything.items():
+        if f"{path}.A" in mine:
+            torch.testing.assert_close(mine[f"{path}.A"], a.A, rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------------------------ torchrun jobs
+
+def _env():
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env.pop("UGPUM_DEBUG", None)
+    return env
+
+
+def torchrun(ranks: int, *args: str, check: bool = True, **popen) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
+           "-m", "ugpum", "train", *args, "--distributed"]
+    if popen:
+        return subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, **popen)
+    done = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    if check:
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    return done
+
+
+def single_process(out: Path, *args: str) -> Path:
+    """`python -m ugpum train` itself (one thread, as each rank runs), in a subprocess."""
+    done = subprocess.run([sys.executable, "-m", "ugpum", "train", *args, "--out", str(out)], cwd=ROOT, env=_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return out / "ugpum_lora.safetensors"
+
+
+def assert_same_lora(a: Path, b: Path, tolerance: float = 1e-6) -> float:
+    x, y = load_file(str(a)), load_file(str(b))
+    assert x.keys() == y.keys()
+    worst = max(float((x[k] - y[k]).norm() / max(float(x[k].norm()), 1e-30)) for k in x)
+    assert worst < tolerance, worst
+    return worst
+
+
+def two_shapes(tmp_path: Path) -> Path:
+    """Six captioned images in two aspect ratios: two buckets, so one step mixes static shapes."""
+    from PIL import Image
+    data = tmp_path / "data"
+    data.mkdir()
+    for i, src in enumerate(sorted(DATASET.glob("*.jpg"))[:6]):
+        image = Image.open(src).convert("RGB")
+        if i % 2:
+            image = image.resize((1024, 576))
+        image.save(data / f"img_{i}.png")
+        (data / f"img_{i}.txt").write_text((DATASET / f"{src.stem}.txt").read_text())
+    return data
+
+
+def common(dataset: Path, profile: str, steps: int, grad_accum: int, schedule: str = "auto") -> list[str]:
+    return ["--profile", profile, "--dataset", str(dataset), "--devices", "cpu", "--steps", str(steps),
+            "--grad-accum", str(grad_accum), "--sample-every", "0", "--schedule", schedule]
+
+
+def test_two_stages_on_two_ranks_train_the_single_process_lora(tmp_path):
+    """2 ranks, 1F1B, buckets of two shapes in one step (a stage and schedule per shape): the LoRA,
+    the logged losses and the checkpoint are the single-process run's."""
+    data = two_shapes(tmp_path)
+    args = common(data, "tiny-flux2", steps=3, grad_accum=3, schedule="1f1b")
+    reference = single_process(tmp_path / "one", *args)
+    run = torchrun(2, *args, "--out", str(tmp_path / "two"))
+    assert "blocks [0, 2), [2, 5), gloo" in run.stdout
+    assert_same_lora(reference, tmp_path / "two" / "ugpum_lora.safetensors")
+    a, b = ([json.loads(line) for line in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
+            for d in ("one", "two"))
+    assert [m["step"] for m in b] == [1, 2, 3]
+    assert all(abs(x["loss"] - y["loss"]) < 1e-6 * abs(x["loss"]) for x, y in zip(a, b))
+    assert (tmp_path / "two" / "checkpoints" / "step_000003" / "optimizer.safetensors").is_file()
+    plan = json.loads((tmp_path / "two" / "plan.json").read_text())
+    assert plan["distributed"] == {"stages": 2, "replicas": 1, "ranks": 2, "bounds": [[0, 2], [2, 5]]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("profile, ranks, replicas, schedule", [
+    ("tiny-flux2", 4, 2, "1f1b"),
+    ("tiny-wan", 2, 1, "gpipe"),
+    ("tiny-wan", 4, 2, "1f1b"),
+    ("tiny-flux2", 2, 1, "gpipe"),
+])
+def test_pipeline_and_replicas_train_the_single_process_lora(tmp_path, profile, ranks, replicas, schedule):
+    args = common(DATASET, profile, steps=3, grad_accum=4, schedule=schedule)
+    reference = single_process(tmp_path / "one", *args)
+    torchrun(ranks, *args, "--data-parallel", str(replicas), "--out", str(tmp_path / "many"))
+    assert_same_lora(reference, tmp_path / "many" / "ugpum_lora.safetensors")
+
+
+def _rank_pid(parent: int, rank: int) -> int | None:
+    """The pid of torchrun's worker of `rank` (its children carry RANK in their environment)."""
+    try:
+        children = Path(f"/proc/{parent}/task/{parent}/children").read_text().split()
+    except OSError:
+        return None
+    for child in children:
+        try:
+            env = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in env:
+            return int(child)
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="finds torchrun's workers through /proc")
+def test_a_sigterm_to_one_rank_stops_every_rank_with_a_checkpoint_that_resumes_exactly(tmp_path):
+    out = tmp_path / "run"
+    args = common(DATASET, "tiny-flux2", steps=400, grad_accum=2)
+    job = torchrun(2, *args, "--out", str(out), start_new_session=True)
+    try:
+        metrics = out / "metrics.jsonl"
+        deadline = time.monotonic() + 300
+        while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 2):
+            assert job.poll() is None and time.monotonic() < deadline, job.stdout.read() if job.poll() else "timeout"
+            time.sleep(0.2)
+        pid = _rank_pid(job.pid, 1)
+        assert pid is not None
+        os.kill(pid, signal.SIGTERM)                     # a real signal to one worker, not to torchrun
+        output, _ = job.communicate(timeout=300)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    stopped = [line for line in output.splitlines() if "stopped by SIGTERM" in line]
+    assert sorted(line.split(":")[0] for line in stopped) == ["rank 0", "rank 1"], output[-4000:]
+    assert all("on rank 1 after step" in line and f"--resume {out}" in line for line in stopped)
+    assert "Traceback" not in output
+    step = int(stopped[0].split("after step ")[1].split(":")[0])
+    from ugpum.train.checkpoint import latest_checkpoint
+    assert latest_checkpoint(out).name == f"step_{step:06d}"
+    assert (out / f"ugpum_lora_step{step}.safetensors").is_file()
+    # resumed with another number of replicas (2 stages x 2), to two steps past the stop
+    more = common(DATASET, "tiny-flux2", steps=step + 2, grad_accum=2)
+    torchrun(4, *[a for a in more], "--data-parallel", "2", "--resume", str(out))
+    reference = single_process(tmp_path / "one", *more)
+    assert_same_lora(reference, out / "ugpum_lora.safetensors")
+    logged = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert logged == list(range(1, step + 3))
+
+
+def test_distributed_flags_need_torchrun(tmp_path, capsys):
+    from ugpum.commands import main
+    base = ["train", "--profile", "tiny-flux2", "--dataset", str(DATASET), "--devices", "cpu", "--steps", "1",
+            "--out", str(tmp_path / "x")]
+    for var in ("RANK", "WORLD_SIZE"):
+        assert var not in os.environ
+    assert main(base + ["--data-parallel", "2"]) == 2
+    assert "--data-parallel needs --distributed" in capsys.readouterr().err
+    assert main(base + ["--distributed"]) == 2
+    assert "runs under torchrun" in capsys.readouterr().err

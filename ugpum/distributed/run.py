@@ -1,0 +1,557 @@
+"""The training loop on `torch.distributed.pipelining`: the planner's stages on ranks (one stage per
+rank), `--data-parallel R` replicas of that pipeline, launched by torchrun.
+
+Ranks: world = stages x replicas; rank = replica x stages + stage, so the stages of one replica are
+neighbouring ranks (one machine, fast links: the hidden state crosses them every micro-batch) and
+the replicas of a stage are `stages` apart (the all-reduce of its LoRA gradients, a few MiB per
+step, may cross machines). NCCL on GPUs (rank -> cuda:LOCAL_RANK), gloo on the CPU.
+
+Rank 0 is the run's front: it alone reads the dataset, runs the encoders (through the feature
+cache), checks the output folder and a resume, writes plan.json, metrics.jsonl, checkpoints and the
+LoRA, in exactly the single-process formats. It hands every other rank what it needs (the cached
+features, the split, a resumed checkpoint) over the process group, so other machines need only the
+DiT file (each rank streams its own blocks), not the dataset, encoders or output folder.
+
+One step = the same global batch as the single-process run: micro-batches k = step x grad_accum ..
++ grad_accum - 1, replica r taking its consecutive share (grad_accum must divide by R); each
+micro-batch's noise and timesteps are drawn from (seed, k), as `ugpum.train.loop.micro_loss` draws
+them; the loss of each is divided by grad_accum; the replicas' gradients are summed (all-reduce);
+clipping uses the norm over every stage; AdamW steps each stage's own adapters. So the LoRA equals
+the single-process one up to the order of float sums (tests: relative difference < 1e-6, fp32).
+
+Static shapes: a `PipelineStage` and its schedule are built per (item shape, text length, samples,
+micro-batches in the run) the first time they occur and reused; a step whose micro-batches come from
+buckets of several shapes runs one schedule per run of consecutive micro-batches of one shape, in
+ascending order (gradients accumulate in the single-process order).
+
+Stopping: Ctrl-C or SIGTERM on any rank sets a flag; at the end of the step every rank learns of it
+(a tiny all-reduce each step), rank 0 saves the checkpoint and the LoRA of the completed steps, and
+every rank ends with one sentence. A rank killed outright (SIGKILL, a crash) cannot save: torchrun
+stops the others and the run resumes from its last periodic checkpoint (`save_every`,
+`save_every_minutes`).
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..arch import get_spec
+from ..checkpointing import checkpoint_blocks
+from ..devices import resolve_devices
+from ..dtypes import TORCH_DTYPES
+from ..formats.atomic import write_json_atomic
+from ..inplace_guard import guard_inplace_residuals
+from ..plan import plan_training
+from ..train.cache import FeatureCache, dataset_hash
+from ..train.checkpoint import load_checkpoint, remove_leftovers, save_checkpoint
+from ..train.config import TrainConfig
+from ..train.dataset import caption_dropout
+from ..train.flow import flow_loss, noisy, sample_timesteps, timestep_method
+from ..train.lora import LoraAdapter, LoraSet, lora_targets
+from ..train.loop import (MicroBatches, RunExists, TrainingError, clear_earlier_run, earlier_run, image_tokens,
+                          load_items, lr_factor, make_optimizer, model_context, resume_point, run_identity,
+                          save_final_lora, training_guidance)
+from ..train.progress import Progress
+from .stages import StageRange, keep_only, stage_module, stage_ranges
+
+DIST_SCHEDULES = ("gpipe", "1f1b")
+
+
+class DistributedStop(KeyboardInterrupt):
+    """A signal stopped the run on some rank; every rank saved with the others and ends with this
+    sentence. `signum`: the signal."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.signum = signum
+
+
+# --------------------------------------------------------------------------------------------
+# ranks and groups
+# --------------------------------------------------------------------------------------------
+
+@dataclass
+class Topology:
+    rank: int
+    world: int
+    stages: int
+    replicas: int
+    device: torch.device
+    pipe_group: object = None          # this replica's stages
+    dp_group: object = None            # this stage's replicas (None with one replica)
+    pipe_ranks: list[int] = field(default_factory=list)
+
+    @property
+    def stage(self) -> int:
+        return self.rank % self.stages
+
+    @property
+    def replica(self) -> int:
+        return self.rank // self.stages
+
+
+def init_distributed(data_parallel: int = 1, cpu: bool | None = None) -> Topology:
+    """Join the process group torchrun describes (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR...):
+    NCCL with one GPU per rank where CUDA is here (and `cpu` is not asked), gloo on the CPU."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        raise TrainingError("--distributed runs under torchrun: torchrun --standalone --nproc-per-node=N "
+                            "-m ugpum train ... --distributed (N = stages x --data-parallel)")
+    world = int(os.environ["WORLD_SIZE"])
+    if data_parallel < 1 or world % data_parallel:
+        raise TrainingError(f"--data-parallel {data_parallel}: torchrun started {world} ranks, not a multiple of "
+                            f"{data_parallel} (ranks = stages x replicas)")
+    stages = world // data_parallel
+    if stages < 2:
+        raise TrainingError(f"{world} rank(s) with --data-parallel {data_parallel} leave one pipeline stage; "
+                            "give torchrun at least 2 ranks per replica (or train without --distributed)")
+    use_cuda = torch.cuda.is_available() and not cpu
+    if use_cuda:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if use_cuda else "gloo", device_id=device if use_cuda else None)
+    rank = dist.get_rank()
+    top = Topology(rank, world, stages, data_parallel, device)
+    for r in range(data_parallel):                     # every rank creates every group, in one order
+        ranks = list(range(r * stages, (r + 1) * stages))
+        group = dist.new_group(ranks)
+        if r == top.replica:
+            top.pipe_group, top.pipe_ranks = group, ranks
+    if data_parallel > 1:
+        for s in range(stages):
+            group = dist.new_group(list(range(s, world, stages)))
+            if s == top.stage:
+                top.dp_group = group
+    return top
+
+
+# --------------------------------------------------------------------------------------------
+# what rank 0 prepares and hands to every rank
+# --------------------------------------------------------------------------------------------
+
+def split_for(cfg: TrainConfig, spec, stages: int, replicas: int, device: torch.device):
+    """(plan, block bounds per stage): the planner's split of `spec` over `stages` devices like this
+    rank's, for the micro-batches one replica runs per step; an even split (by blocks) when the
+    planner leaves a stage empty or swaps blocks (one rank per stage must hold its blocks)."""
+    if len(cfg.devices) == stages and "auto" not in cfg.devices:
+        names = list(cfg.devices)
+    else:
+        names = [str(device) if device.type == "cpu" else f"cuda:{device.index}"] * stages
+    devices = resolve_devices(names, spec, training=True)
+    per_replica = max(cfg.grad_accum // replicas, 1)
+    schedule = "gpipe" if cfg.schedule in ("gpipe", "sequential") else "1f1b"
+    plan = plan_training(spec, devices, cfg.workload(), grad_accum=per_replica, schedule=schedule)
+    bounds = [tuple(s.blocks) for s in plan.stages]
+    if len(bounds) != stages or any(b <= a for a, b in bounds) or plan.offloaded_blocks:
+        n = len(spec.blocks)
+        cuts = [round(i * n / stages) for i in range(stages + 1)]
+        plan = plan_training(spec, devices, cfg.workload(), grad_accum=per_replica, schedule=schedule,
+                             split=[cuts[i + 1] - cuts[i] for i in range(stages)])
+        bounds = [tuple(s.blocks) for s in plan.stages]
+    if any(b <= a for a, b in bounds):
+        raise TrainingError(f"{spec.id} has {len(spec.blocks)} blocks: too few for {stages} pipeline stages")
+    return plan, bounds
+
+
+def _prepare_on_rank0(cfg, spec, out: Path, make_encoders, resume: bool, overwrite: bool, top: Topology, log):
+    """Rank 0's part before training: the folder checks, features, plan and a resumed checkpoint."""
+    out.mkdir(parents=True, exist_ok=True)
+    removed = remove_leftovers(out)
+    if removed:
+        log(f"removed {len(removed)} temporary file(s) an interrupted save left in {out}")
+    items = load_items(cfg)
+    data_hash = dataset_hash(items)
+    identity = run_identity(cfg, spec, data_hash)
+    if resume:
+        checkpoint, start = resume_point(out, cfg, identity, log)
+    else:
+        checkpoint, start = None, 0
+        held = earlier_run(out, cfg)
+        if held and not overwrite:
+            raise RunExists(f"{out} holds an earlier run ({held}); continue it with --resume {out}, train into "
+                            "another folder, or pass --overwrite to replace it")
+        clear_earlier_run(out, cfg)
+        if held:
+            log(f"--overwrite: removed the earlier run in {out}")
+    encoders = make_encoders()
+    cache = FeatureCache(cfg.cache_dir or out / "cache", encoders)
+    try:
+        latents = [cache.latent(item) for item in items]
+        rng = random.Random(cfg.seed)
+        contexts = [cache.text(caption_dropout(item.caption, cfg.caption_dropout, rng)) for item in items]
+    finally:
+        release = getattr(encoders, "release", None)
+        if release:
+            release()
+    log(f"features: {len(items)} items, cache {cache.hits} hit(s), {cache.misses} computed")
+    plan, bounds = split_for(cfg, spec, top.stages, top.replicas, top.device)
+    write_json_atomic(out / "plan.json", {**plan.to_json(), "distributed": {
+        "stages": top.stages, "replicas": top.replicas, "ranks": top.world, "bounds": bounds}})
+    resumed = None
+    if checkpoint is not None:
+        lora, optimizer = full_lora(cfg, spec)
+        state = load_checkpoint(checkpoint, lora, optimizer)
+        resumed = {"weights": {n: p.detach().clone() for n, p in lora_params(lora)},
+                   "optimizer": {n: dict(optimizer.state[p]) for n, p in lora_params(lora) if p in optimizer.state},
+                   "param_groups": state["param_groups"]}
+        metrics = out / "metrics.jsonl"                   # steps after the checkpoint are trained again
+        kept = metrics.read_text().splitlines()[:start]
+        metrics.write_text("".join(line + "\n" for line in kept))
+    return {"latents": latents, "contexts": contexts, "data_hash": data_hash, "identity": identity, "start": start,
+            "bounds": bounds, "resumed": resumed, "verdict": plan.verdict}
+
+
+def _share(payload, top: Topology):
+    """Rank 0's payload (or its error) to every rank."""
+    box = [payload]
+    dist.broadcast_object_list(box, src=0, device=top.device if top.device.type == "cuda" else None)
+    return box[0]
+
+
+# --------------------------------------------------------------------------------------------
+# the LoRA of one stage, and the whole LoRA on rank 0
+# --------------------------------------------------------------------------------------------
+
+def _targets(cfg: TrainConfig, spec) -> list[tuple[str, int, int, int]]:
+    """(path, block index, in, out) of every LoRA target, in attach_lora's order."""
+    out = []
+    for i, block in enumerate(spec.blocks):
+        for lin in block.linears:
+            for path in lora_targets([block.path], [(lin,)], tuple(cfg.targets)):
+                out.append((path, i, lin.in_features, lin.out_features))
+    return out
+
+
+def stage_lora(model: nn.Module, cfg: TrainConfig, spec, rng: StageRange) -> LoraSet:
+    """The adapters of the stage's blocks, initialised exactly as `attach_lora` initialises them on the
+    whole model (one generator drawn in target order: the other stages' draws are made and dropped)."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    lora = LoraSet()
+    g = torch.Generator().manual_seed(cfg.seed)
+    for path, i, fan_in, fan_out in _targets(cfg, spec):
+        if rng.start <= i < rng.end:
+            lora.add(model, path, cfg.rank, cfg.alpha, torch.float32, g)
+        else:
+            LoraAdapter(fan_in, fan_out, cfg.rank, cfg.alpha, torch.device("meta"), torch.float32, g)
+    return lora
+
+
+def lora_params(lora: LoraSet) -> list[tuple[str, nn.Parameter]]:
+    """(name, parameter) as checkpoints name them: '<linear path>.A' / '.B'."""
+    return [(f"{path}.{name}", p) for path, a in lora.items() for name, p in (("A", a.A), ("B", a.B))]
+
+
+def full_lora(cfg: TrainConfig, spec) -> tuple[LoraSet, torch.optim.Optimizer]:
+    """Every adapter of the model on the CPU (no model: a skeleton of Linears on meta carries the
+    paths) and an optimizer over them: what rank 0 saves and reads checkpoints and LoRA files with."""
+    skeleton = nn.Module()
+    lora = LoraSet()
+    for path, _, fan_in, fan_out in _targets(cfg, spec):
+        parent = skeleton
+        for part in path.split(".")[:-1]:
+            if not hasattr(parent, part):
+                parent.add_module(part, nn.Module())
+            parent = getattr(parent, part)
+        parent.add_module(path.rsplit(".", 1)[1], nn.Linear(fan_in, fan_out, bias=False, device="meta"))
+        lora.add(skeleton, path, cfg.rank, cfg.alpha)
+    lora.remove()                                         # no forward ever runs through the skeleton
+    lora.to_empty(device="cpu")
+    with torch.no_grad():
+        for _, p in lora_params(lora):
+            p.zero_()
+    return lora, make_optimizer(cfg, [p for _, p in lora_params(lora)])
+
+
+# --------------------------------------------------------------------------------------------
+# the training
+# --------------------------------------------------------------------------------------------
+
+@dataclass
+class DistributedResult:
+    lora_path: Path | None            # on rank 0; None elsewhere
+    steps_done: int
+    losses: list[float]
+    bounds: list[tuple[int, int]]
+    resumed_at: int = 0
+
+
+class _Flags:
+    """Ctrl-C and SIGTERM set a flag instead of raising: a rank stops where every rank can stop with
+    it (the end of a step) and the run saves what the completed steps trained."""
+
+    def __init__(self):
+        self.signum = 0
+        self.previous = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for s in (signal.SIGINT, signal.SIGTERM):
+                self.previous[s] = signal.signal(s, self._set)
+        return self
+
+    def _set(self, signum, _frame):
+        self.signum = self.signum or signum
+
+    def __exit__(self, *exc):
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+
+def train_distributed(cfg: TrainConfig, out: str | Path, model: nn.Module, make_encoders, key_prefix: str = "",
+                      resume: bool = False, overwrite: bool = False, data_parallel: int = 1, log=print,
+                      cpu: bool | None = None) -> DistributedResult:
+    """Train `cfg`'s LoRA on this rank's stage of `model` (ComfyUI's DiT, on the meta device to be
+    streamed from `cfg.model_file`, or with weights), into `out` (written by rank 0). `make_encoders()`
+    is called on rank 0 only. Every rank of the torchrun job calls this with the same arguments."""
+    out = Path(out)
+    spec = get_spec(cfg.model)
+    if cfg.optimizer != "adamw":
+        raise TrainingError(f"--distributed trains with optimizer 'adamw' (not {cfg.optimizer!r})")
+    top = init_distributed(data_parallel, cpu)
+    if cfg.grad_accum % top.replicas:
+        raise TrainingError(f"grad_accum {cfg.grad_accum} does not divide into {top.replicas} replicas: each replica "
+                            "runs grad_accum / R micro-batches of the step's global batch")
+    say = log if top.rank == 0 else (lambda *a, **k: None)
+
+    # 1. rank 0: data, folder, features, plan, resume; then everyone gets the same
+    payload = None
+    if top.rank == 0:
+        try:
+            payload = _prepare_on_rank0(cfg, spec, out, make_encoders, resume, overwrite, top, say)
+        except Exception as e:                           # every rank ends with its sentence
+            _share({"error": str(e)}, top)
+            raise
+    shared = _share(payload, top)
+    if "error" in shared:
+        raise TrainingError(shared["error"])
+    latents, contexts, start = shared["latents"], shared["contexts"], shared["start"]
+    ranges = stage_ranges(shared["bounds"])
+    rng = ranges[top.stage]
+    say(shared["verdict"])
+    say(f"distributed: {top.world} ranks = {top.stages} stages x {top.replicas} replica(s), blocks "
+        + ", ".join(f"[{r.start}, {r.end})" for r in ranges) + f", {'NCCL' if top.device.type == 'cuda' else 'gloo'}")
+
+    # 2. this rank's share of the model, made safe to differentiate, with its LoRA
+    keep_only(model, spec, rng)
+    if any(p.is_meta for p in model.parameters()):
+        from ..place import Layout
+        from ..stream_load import fill_from_file
+        layout = Layout({spec.blocks[i].path: str(top.device) for i in range(rng.start, rng.end)}, str(top.device),
+                        str(top.device), tuple(spec.tail_modules))
+        fill_from_file(model, layout, Path(cfg.model_file), key_prefix, TORCH_DTYPES[cfg.weight_dtype])
+    model.to(top.device)
+    own_paths = [spec.blocks[i].path for i in range(rng.start, rng.end)]
+    guard_inplace_residuals(model, include_rms=False)
+    if cfg.checkpointing:
+        checkpoint_blocks(model, own_paths)
+    lora = stage_lora(model, cfg, spec, rng)
+    params = [p for _, p in lora_params(lora)]
+    optimizer = make_optimizer(cfg, params)
+    if shared["resumed"] is not None:
+        resumed = shared["resumed"]
+        with torch.no_grad():
+            for name, p in lora_params(lora):
+                p.copy_(resumed["weights"][name].to(p.device))
+                if name in resumed["optimizer"]:
+                    optimizer.state[p] = {k: (v.to(p.device) if v.dim() else v.clone())
+                                          for k, v in resumed["optimizer"][name].items()}
+        for group, saved in zip(optimizer.param_groups, resumed["param_groups"]):
+            group.update(saved)
+    stage = stage_module(model, spec, rng, autocast=cfg.autocast)
+
+    # 3. steps
+    micro_batches = MicroBatches([(tuple(latent.shape), model_context(spec, context).shape[1])
+                                  for latent, context in zip(latents, contexts)], cfg.batch, cfg.seed)
+    schedules: dict = {}
+    per_replica = cfg.grad_accum // top.replicas
+    kind = "gpipe" if cfg.schedule in ("gpipe", "sequential") else "1f1b"
+    say(f"micro-batch schedule: {kind} ({per_replica} micro-batch(es) per replica and step)")
+    metrics_path = out / "metrics.jsonl"
+    losses: list[float] = []
+    step = saved = start
+    last_save = time.monotonic()
+    progress = Progress(cfg.steps, start) if top.rank == 0 else None
+
+    def save(at: int, name: str, stopping: bool = False) -> Path | None:
+        nonlocal saved
+        path = _collective_save(cfg, spec, lora, optimizer, top, out, at, name, shared, stopping, say)
+        saved = at
+        return path
+
+    lora_path = None
+    with _Flags() as flags:
+        while step < cfg.steps:
+            t0 = time.perf_counter()
+            for group in optimizer.param_groups:
+                group["lr"] = cfg.lr * lr_factor(cfg, step)
+            ks = [step * cfg.grad_accum + j for j in range(cfg.grad_accum)]
+            mine = ks[top.replica * per_replica:(top.replica + 1) * per_replica]
+            loss = 0.0
+            for run in _runs(mine, micro_batches, latents, contexts):
+                loss += _run_schedule(run, cfg, spec, stage, top, schedules, micro_batches, latents, contexts, kind)
+            _sync_gradients(params, top)
+            if cfg.max_grad_norm:
+                _clip(params, cfg.max_grad_norm, top)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            due = bool(cfg.save_every and step % cfg.save_every == 0) or \
+                bool(cfg.save_every_minutes and time.monotonic() - last_save >= 60 * cfg.save_every_minutes)
+            control = torch.tensor([loss, 0.0], dtype=torch.float64)
+            dist.all_reduce(control)                       # the step's loss: the last stages' sum
+            flag = torch.tensor([flags.signum, top.rank + 1 if flags.signum else 0, int(due and top.rank == 0)],
+                                dtype=torch.int64)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            loss = float(control[0])
+            losses.append(loss)
+            if top.rank == 0:
+                with open(metrics_path, "a") as f:
+                    f.write(json.dumps({"step": step, "loss": loss, "lr": optimizer.param_groups[0]["lr"],
+                                        "seconds": round(time.perf_counter() - t0, 4)}) + "\n")
+                progress.update(step, loss)
+            signum, by = int(flag[0]), int(flag[1]) - 1
+            if signum:
+                done = step == cfg.steps
+                save(step, f"{cfg.output_name}{'' if done else f'_step{step}'}.safetensors", stopping=True)
+                name = signal.Signals(signum).name
+                raise DistributedStop(
+                    f"rank {top.rank}: stopped by {name} on rank {by} after step {step}: checkpoint and LoRA saved "
+                    f"in {out} by rank 0; continue with the same torchrun command and --resume {out}", signum)
+            if flag[2] and step < cfg.steps:
+                save(step, f"{cfg.output_name}_step{step}.safetensors")
+                last_save = time.monotonic()
+        lora_path = save(step, f"{cfg.output_name}.safetensors")
+    say(f"trained {step} steps on {top.world} ranks; LoRA {lora_path}")
+    dist.barrier()
+    return DistributedResult(lora_path, step, losses, shared["bounds"], resumed_at=start)
+
+
+def _runs(ks: list[int], micro_batches: MicroBatches, latents, contexts) -> list[list[tuple[int, list[int]]]]:
+    """The micro-batches `ks` as runs of consecutive ones of one static shape: [(k, items), ...]."""
+    runs: list[list[tuple[int, list[int]]]] = []
+    previous = None
+    for k in ks:
+        picked = micro_batches(k)
+        key = (micro_batches.shapes[picked[0]], len(picked))
+        if key != previous:
+            runs.append([])
+            previous = key
+        runs[-1].append((k, picked))
+    return runs
+
+
+def micro_batch_inputs(cfg: TrainConfig, spec, latents: list[torch.Tensor], contexts: list[torch.Tensor], k: int):
+    """(x0, noise, t, context) of the k-th micro-batch, drawn as `ugpum.train.loop.micro_loss` draws them
+    (the same generator seeded by (seed, k), the same order of draws)."""
+    g = torch.Generator().manual_seed((cfg.seed * 7_919 + k) % 2**63)
+    x0 = torch.stack([latent.float() for latent in latents])
+    noise = torch.randn(x0.shape, generator=g)
+    t = sample_timesteps(len(latents), timestep_method(cfg.timesteps, spec.family), g, shift=cfg.shift,
+                         image_seq_len=image_tokens(spec, latents[0].shape))
+    context = torch.cat([model_context(spec, c) for c in contexts])
+    return x0, noise, t, context
+
+
+def _run_schedule(run, cfg, spec, stage, top: Topology, schedules: dict, micro_batches, latents, contexts,
+                  kind: str) -> float:
+    """One schedule over a run of same-shape micro-batches; returns the sum of their losses (last stage)."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    device = top.device
+    (k0, picked0) = run[0]
+    key = (micro_batches.shapes[picked0[0]], len(picked0), len(run))
+    if key not in schedules:
+        pipe_stage = PipelineStage(stage, top.stage, top.stages, device, group=top.pipe_group)
+        cls = Schedule1F1B if kind == "1f1b" and len(run) >= top.stages else ScheduleGPipe
+
+        def loss_fn(pred, target):                  # target: x0, noise and t packed in one tensor [B, 2n + 1]
+            n = pred[0].numel()
+            x0, noise = target[:, :n].view_as(pred), target[:, n:2 * n].view_as(pred)
+            return flow_loss(pred.float(), x0, noise, target[:, 2 * n], cfg.weighting) / cfg.grad_accum
+        schedules[key] = cls(pipe_stage, n_microbatches=len(run), loss_fn=loss_fn, scale_grads=False)
+    schedule = schedules[key]
+    guidance = training_guidance(spec, cfg.guidance)
+    kwarg_mbs, target_mbs = [], []
+    for k, picked in run:
+        x0, noise, t, context = micro_batch_inputs(cfg, spec, [latents[i] for i in picked],
+                                                   [contexts[i] for i in picked], k)
+        kw = {"x": noisy(x0, noise, t).to(device), "timestep": (t * spec.timestep_scale).to(device),
+              "context": context.to(device)}
+        if guidance is not None:
+            kw["guidance"] = torch.full((x0.shape[0],), guidance, device=device)
+        kwarg_mbs.append(kw)
+        target_mbs.append(torch.cat([x0.flatten(1), noise.flatten(1), t.float()[:, None]], dim=1).to(device))
+    last = top.stage == top.stages - 1
+    losses: list = [] if last else None
+    schedule.step(arg_mbs=[()] * len(run), kwarg_mbs=kwarg_mbs, target_mbs=target_mbs if last else None,
+                  losses=losses, return_outputs=False)
+    return sum(float(x.detach()) for x in losses) if last else 0.0
+
+
+def _sync_gradients(params: list[nn.Parameter], top: Topology) -> None:
+    """Sum this stage's LoRA gradients over the replicas (one all-reduce of one flat buffer)."""
+    if top.dp_group is None:
+        return
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=top.dp_group)
+    offset = 0
+    for p, g in zip(params, grads):
+        n = g.numel()
+        p.grad = flat[offset:offset + n].view_as(p).clone()
+        offset += n
+
+
+def _clip(params: list[nn.Parameter], max_norm: float, top: Topology) -> None:
+    """`clip_grad_norm_` over the whole LoRA: the norm over every stage of the pipeline."""
+    grads = [p.grad for p in params if p.grad is not None]
+    local = torch.stack([torch.linalg.vector_norm(g, 2) for g in grads]) if grads else torch.zeros(1)
+    square = (local.double() ** 2).sum().reshape(1).to(top.device)
+    dist.all_reduce(square, group=top.pipe_group)
+    total = square.sqrt().float()
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef.to(g.device))
+
+
+def _collective_save(cfg, spec, lora, optimizer, top: Topology, out: Path, at: int, name: str, shared: dict,
+                     stopping: bool, say) -> Path | None:
+    """Replica 0's stages send their adapters and optimizer state to rank 0, which writes the
+    checkpoint and the LoRA in the single-process format; every rank waits until they are written."""
+    path = None
+    if top.replica == 0:
+        mine = {"weights": {n: p.detach().cpu() for n, p in lora_params(lora)},
+                "optimizer": {n: {k: torch.as_tensor(v).detach().cpu() for k, v in optimizer.state[p].items()}
+                              for n, p in lora_params(lora) if p in optimizer.state},
+                "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]}
+        gathered = [None] * top.stages if top.rank == 0 else None
+        dist.gather_object(mine, gathered, dst=0, group=top.pipe_group)
+        if top.rank == 0:
+            full, full_opt = full_lora(cfg, spec)
+            by_name = dict(lora_params(full))
+            with torch.no_grad():
+                for part in gathered:
+                    for n, t in part["weights"].items():
+                        by_name[n].copy_(t)
+                    for n, state in part["optimizer"].items():
+                        full_opt.state[by_name[n]] = state
+            for group, saved in zip(full_opt.param_groups, gathered[0]["param_groups"]):
+                group.update(saved)
+            say(f"saving checkpoint and LoRA at step {at}")
+            save_checkpoint(out, at, full, full_opt, {"model": spec.id, "identity": shared["identity"],
+                                                      "interrupted": stopping})
+            path = save_final_lora(cfg, spec, full, out, at, shared["data_hash"], name)
+    dist.barrier()
+    return path
