@@ -271,3 +271,23 @@ def test_distributed_flags_need_torchrun(tmp_path, capsys):
     assert "--data-parallel needs --distributed" in capsys.readouterr().err
     assert main(base + ["--distributed"]) == 2
     assert "runs under torchrun" in capsys.readouterr().err
+
+
+def test_plan_forecasts_a_distributed_run_and_says_when_one_process_is_better(capsys):
+    from ugpum.commands import main
+    base = ["plan", "--model", "flux2-klein-9b", "--gpu", "rtx4090", "--gpu", "rtx4090", "--distributed"]
+    assert main(base) == 0                                           # one machine, one replica: the same plan
+    text = capsys.readouterr().out
+    assert "per rank" in text and "The single process is the better choice" in text
+    assert main(base + ["--nodes", "2", "--grad-accum", "4", "--json"]) == 0
+    two = json.loads(capsys.readouterr().out)
+    assert (two["stages"], two["replicas"], len(two["rank_gib"])) == (2, 2, 2)
+    assert two["allreduce_s"] > 0 and two["network_s"] == 0 and two["single_step_s"] > two["step_s"]
+    assert two["verdict"].startswith("Distributed is")
+    # a pipeline over both machines sends the hidden state over the network; a slow one loses
+    assert main(base + ["--nodes", "2", "--grad-accum", "4", "--data-parallel", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["network_s"] > 0
+    assert main(base + ["--nodes", "2", "--grad-accum", "4", "--network-gbps", "0.1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["verdict"].startswith("The single process is the better choice")
+    assert main(base + ["--nodes", "2", "--grad-accum", "3"]) == 2                 # 3 micro-batches, 2 replicas
+    assert "multiple of the 2 replicas" in capsys.readouterr().err

@@ -40,6 +40,15 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--dtype", choices=["bf16", "fp8"], default="bf16", help="base weight dtype")
     p.add_argument("--checkpointing", choices=["block", "none"], default="block")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    # past one machine (README "Past one machine"): the --gpu list is one machine's GPUs
+    p.add_argument("--distributed", action="store_true",
+                   help="forecast a torchrun run on torch.distributed.pipelining: per-rank memory, step time with the "
+                        "network, the all-reduce of LoRA gradients, and whether one process is the better choice")
+    p.add_argument("--nodes", type=int, default=1, metavar="K", help="with --distributed: K machines with these GPUs")
+    p.add_argument("--data-parallel", type=int, metavar="R",
+                   help="with --distributed: R replicas of the pipeline (default: one per machine)")
+    p.add_argument("--network-gbps", type=float, default=10.0, metavar="GBIT",
+                   help="with --distributed: the network between machines in Gbit/s (default 10: 10 GbE)")
 
 
 def spec_for(model: str):
@@ -56,6 +65,20 @@ def run_plan(args) -> int:
     w = Workload(width=args.resolution[0], height=args.resolution[1], frames=args.frames, batch=args.batch,
                  checkpointing=args.checkpointing == "block", weight_dtype=args.dtype, rank=args.rank)
     devices = resolve_devices(args.gpu, spec)
+    if args.distributed or args.nodes != 1 or args.data_parallel:
+        return _plan_distributed(args, spec, w, devices)
     plan = plan_training(spec, devices, w, grad_accum=args.grad_accum, schedule=args.schedule)
     print(json.dumps(plan.to_json(), indent=1) if args.json else format_plan(plan))
+    return 0
+
+
+def _plan_distributed(args, spec, w, devices) -> int:
+    from ..distributed.forecast import forecast_distributed, format_distributed
+    if not args.distributed:
+        raise UsageError("--nodes and --data-parallel forecast a distributed run: add --distributed")
+    if args.nodes < 1 or args.network_gbps <= 0:
+        raise UsageError("--nodes must be at least 1 and --network-gbps positive")
+    fc = forecast_distributed(spec, devices, w, args.grad_accum, nodes=args.nodes, data_parallel=args.data_parallel,
+                              network_gbps=args.network_gbps, schedule=args.schedule)
+    print(json.dumps(fc.to_json(), indent=1) if args.json else format_distributed(fc))
     return 0

@@ -1,0 +1,157 @@
+"""What a distributed run would cost before anything is launched (`python -m ugpum plan --distributed
+--nodes K`): per-rank memory, step time with the network's bandwidth, the data-parallel all-reduce
+of the LoRA gradients, and whether the single process on one machine is the better choice.
+
+The layout is the one `ugpum.distributed.run` uses: `nodes` machines with the same GPUs, ranks =
+nodes x GPUs, R replicas of a pipeline of ranks / R stages; a replica's stages are neighbouring
+ranks (one machine while the pipeline is no longer than a machine's GPUs), so the hidden state
+crosses the network only when a pipeline spans machines, while the replicas of a stage (one
+all-reduce of its LoRA gradients per step) sit on different machines.
+
+Model, deliberately simple (DESIGN §5): the pipeline's step from the single-process planner for the
+micro-batches one replica runs; plus, serialised (no overlap assumed), the hidden state and its
+gradient crossing each machine boundary of a pipeline per micro-batch, and the sum of the LoRA's
+fp32 gradients over the replicas in micro-batch order (`run.GradientsInOrder`: R - 1 hops from
+replica to replica, then a broadcast; about R times the LoRA's bytes through one machine's link, all
+stages sharing it), over the network when replicas span machines (else over the GPUs' link).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .. import cost
+from ..arch.base import WEIGHT_BYTES
+from ..devices import Device, gpu_to_gpu_gbps
+from ..plan import GIB, MIB, Plan, PlanError, plan_training
+
+DEFAULT_NETWORK_GBPS = 10.0          # Gbit/s: a 10 GbE LAN between workstations
+GBIT = 1e9 / 8                       # bytes per second in one Gbit/s
+
+
+def distributed_plan(spec, devices: list[Device], w, per_replica: int, schedule: str = "1f1b") -> Plan:
+    """The planner's split of `spec` over the pipeline's `devices` for `per_replica` micro-batches
+    per step; an even split by blocks where the planner would leave a stage empty or swap blocks
+    (each rank must hold its blocks: there is no swap tier in a distributed run)."""
+    schedule = "gpipe" if schedule in ("gpipe", "sequential") else "1f1b"
+    n = len(devices)
+    if len(spec.blocks) < n:
+        raise PlanError(f"{spec.id} has {len(spec.blocks)} blocks: too few for {n} pipeline stages")
+    plan = plan_training(spec, devices, w, grad_accum=per_replica, schedule=schedule)
+    if len(plan.stages) != n or any(b <= a for a, b in (s.blocks for s in plan.stages)) or plan.offloaded_blocks:
+        cuts = [round(i * len(spec.blocks) / n) for i in range(n + 1)]
+        plan = plan_training(spec, devices, w, grad_accum=per_replica, schedule=schedule,
+                             split=[cuts[i + 1] - cuts[i] for i in range(n)])
+    return plan
+
+
+def every_stage_params(spec) -> int:
+    """Parameters each stage after the first also holds: the small embedders it recomputes the
+    timestep's modulation (and Wan's text embedding) with (`ugpum.distributed.stages`)."""
+    h = spec.hidden
+    if spec.family == "flux2":
+        return 256 * h + h * h + (6 + 6 + 3) * h * h + (256 * h + h * h if spec.guidance else 0)
+    return 256 * h + h * h + 6 * h * h + spec.context_dim * h + h * h          # Wan: time, projection, text
+
+
+@dataclass
+class DistributedForecast:
+    model: str
+    nodes: int
+    gpus_per_node: int
+    stages: int
+    replicas: int
+    grad_accum: int
+    rank_gib: list[float]                 # per stage (every replica alike)
+    budget_gib: list[float]
+    pipeline_s: float                     # one replica's pipelined step (planner)
+    network_s: float                      # hidden state crossing machines, per step
+    allreduce_s: float                    # LoRA gradients over the replicas, per step
+    allreduce_mib: float                  # through one machine's link per step (about R x the LoRA)
+    step_s: float
+    single_step_s: float | None           # one process on one machine, the same global batch
+    network_gbps: float
+    verdict: str
+    plan: Plan = field(repr=False, default=None)
+
+    def to_json(self) -> dict:
+        out = {k: v for k, v in self.__dict__.items() if k != "plan"}
+        out["plan"] = self.plan.to_json()
+        return out
+
+
+def forecast_distributed(spec, node_devices: list[Device], w, grad_accum: int, nodes: int = 1,
+                         data_parallel: int | None = None, network_gbps: float = DEFAULT_NETWORK_GBPS,
+                         schedule: str = "1f1b") -> DistributedForecast:
+    g = len(node_devices)
+    ranks = nodes * g
+    replicas = data_parallel or nodes
+    if ranks % replicas or ranks // replicas < 2:
+        raise PlanError(f"{nodes} machine(s) x {g} GPU(s) = {ranks} ranks cannot form {replicas} replica(s) of a "
+                        "pipeline of at least 2 stages; choose --data-parallel so that ranks / R >= 2")
+    if grad_accum % replicas:
+        raise PlanError(f"--grad-accum {grad_accum} must be a multiple of the {replicas} replicas (each runs "
+                        "grad-accum / R micro-batches of the global batch)")
+    stages = ranks // replicas
+    per_replica = grad_accum // replicas
+    devices = [node_devices[i % g] for i in range(stages)]
+    plan = distributed_plan(spec, devices, w, per_replica, schedule)
+    extra = every_stage_params(spec) * WEIGHT_BYTES[w.weight_dtype]
+    rank_gib = [s.forecast_gib + (extra / GIB if i else 0.0) for i, s in enumerate(plan.stages)]
+    budget_gib = [s.budget_gib for s in plan.stages]
+    # the hidden state (and its gradient) over each machine boundary inside one pipeline
+    crossings = (stages - 1) // g
+    boundary = spec.boundary_bytes(w)
+    network_s = per_replica * crossings * 2 * boundary / (network_gbps * GBIT)
+    # all-reduce of the LoRA's fp32 gradients (all stages' groups share a machine's network link)
+    lora = sum(b.lora_params(w.rank) for b in spec.blocks) * 4
+    sent = replicas * lora if replicas > 1 else 0
+    across = replicas > 1 and nodes > 1
+    link = network_gbps * GBIT if across else gpu_to_gpu_gbps(node_devices[0], node_devices[-1]) * 1e9
+    allreduce_s = sent / link
+    step = plan.predicted_step_s + network_s + allreduce_s
+    try:
+        single = plan_training(spec, node_devices, w, grad_accum=grad_accum, schedule="auto")
+        single_s = single.predicted_step_s
+    except PlanError:
+        single_s = None
+    over = [i for i, (m, b) in enumerate(zip(rank_gib, budget_gib)) if m > b]
+    fc = DistributedForecast(spec.id, nodes, g, stages, replicas, grad_accum, [round(x, 2) for x in rank_gib],
+                             [round(x, 2) for x in budget_gib], plan.predicted_step_s, network_s, allreduce_s,
+                             sent / MIB, step, single_s, network_gbps, "", plan)
+    fc.verdict = _verdict(fc, over)
+    return fc
+
+
+def _verdict(fc: DistributedForecast, over: list[int]) -> str:
+    dist = f"{fc.step_s:.2f} s/step distributed ({fc.nodes} machine(s), {fc.stages} stages x {fc.replicas} replica(s))"
+    if over:
+        return (f"Does not fit: stage(s) {', '.join(map(str, over))} need more memory than a GPU has; use more stages "
+                "(fewer replicas) or a smaller workload.")
+    if fc.single_step_s is None:
+        return f"Only the distributed run trains this: one machine cannot hold it; {dist}."
+    single = f"{fc.single_step_s:.2f} s/step in one process on one machine for the same global batch"
+    gain = fc.single_step_s / fc.step_s
+    if fc.nodes == 1 and fc.replicas == 1:
+        return (f"The single process is the better choice: the same plan on one machine ({single}) needs no "
+                "launcher and runs on Windows; --distributed pays off with more machines or replicas.")
+    if gain < 1.1:
+        return (f"The single process is the better choice: {single} against {dist} ({gain:.2f}x); the network "
+                f"({fc.network_gbps:g} Gbit/s) or the all-reduce eats the gain.")
+    return f"Distributed is {gain:.2f}x faster: {dist} against {single}."
+
+
+def format_distributed(fc: DistributedForecast) -> str:
+    p = fc.plan
+    lines = [f"{fc.model}  distributed: {fc.nodes} machine(s) x {fc.gpus_per_node} GPU(s) = {fc.nodes * fc.gpus_per_node} "
+             f"ranks: {fc.stages} stages x {fc.replicas} replica(s); grad-accum {fc.grad_accum} "
+             f"({fc.grad_accum // fc.replicas} per replica, {p.schedule})", ""]
+    header = f"{'stage (rank r*stages+s)':<26} {'blocks':>10} {'forecast / budget GiB per rank':>32}"
+    lines += [header, "-" * len(header)]
+    for i, (s, m, b) in enumerate(zip(p.stages, fc.rank_gib, fc.budget_gib)):
+        lines.append(f"{f'{i}: {s.device}'[:26]:<26} {f'{s.blocks[0]}-{s.blocks[1] - 1}':>10} {m:>18.1f} / {b:<9.1f}")
+    lines += ["",
+              f"step: {fc.pipeline_s:.2f} s pipeline + {fc.network_s:.3f} s hidden state between machines + "
+              f"{fc.allreduce_s:.3f} s summing LoRA gradients over replicas ({fc.allreduce_mib:.0f} MiB, "
+              f"{'network ' + format(fc.network_gbps, 'g') + ' Gbit/s' if fc.replicas > 1 and fc.nodes > 1 else 'GPU link'}) "
+              f"= {fc.step_s:.2f} s", fc.verdict]
+    return "\n".join(lines)
