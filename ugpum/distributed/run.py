@@ -406,11 +406,12 @@ def train_distributed(cfg: TrainConfig, out: str | Path, model: nn.Module, make_
             step += 1
             due = bool(cfg.save_every and step % cfg.save_every == 0) or \
                 bool(cfg.save_every_minutes and time.monotonic() - last_save >= 60 * cfg.save_every_minutes)
-            control = torch.tensor([loss, 0.0], dtype=torch.float64)
+            control = torch.tensor([loss], dtype=torch.float64, device=top.device)   # (NCCL: device tensors)
             dist.all_reduce(control)                       # the step's loss: the last stages' sum
             flag = torch.tensor([flags.signum, top.rank + 1 if flags.signum else 0, int(due and top.rank == 0)],
-                                dtype=torch.int64)
+                                dtype=torch.int64, device=top.device)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            flag = flag.cpu()
             loss = float(control[0])
             losses.append(loss)
             if top.rank == 0:
