@@ -1,0 +1,219 @@
+"""8-bit compute for the frozen base Linears: `base_compute = bf16 | fp8 | int8`.
+
+The base weights never train, so their matmuls can run on 8-bit tensor cores while the LoRA (and
+everything trained) stays bf16/fp32:
+
+* weights are quantised once, per output channel: `W ~= Wq * sw[:, None]` (fp8 e4m3, or int8 with a
+  symmetric absmax scale), stored on the layer's device as `Wq` [out, in] (1 byte a weight) + `sw` (fp32);
+* forward, per call: the activation is quantised per token (row absmax), `y = (xq @ Wq^T) * sx * sw + b`
+  through `torch._scaled_mm` (fp8, rowwise scales, bf16 out; CUDA compute capability >= 8.9) or
+  `torch._int_mm` (int8 -> int32, Ampere+) and one rescale;
+* backward gives only the input gradient (weights are frozen): `grad_x = grad_y @ W = (grad_y * sw) @ Wq`,
+  so the per-channel weight scale moves onto grad_y's columns and grad_y*sw is quantised per row: an 8-bit
+  GEMM too. Hopper's fp8 GEMM wants the second operand K-major, so the backward reads a transposed copy
+  of Wq made on the fly (one pass over 1 byte a weight, freed after). No weight gradient is ever formed.
+
+On a device without 8-bit tensor cores (the CPU) `emulate=True` runs the *reference emulation*: the same
+quantisation, dequantised and multiplied in fp32, so tests check the numerics path everywhere; without it
+such devices are refused with one sentence. LoRA forward hooks on the layer keep working (they run in
+`Module.__call__` after our forward). Pure torch; nothing here imports ComfyUI.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+__all__ = ["MODES", "use_8bit_base", "base_compute_factors", "quantise_weight", "quantise_rows", "supports",
+           "BaseComputeError"]
+
+MODES = ("bf16", "fp8", "int8")
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+INT8_MAX = 127.0
+
+
+class BaseComputeError(RuntimeError):
+    pass
+
+
+def supports(mode: str, device) -> str | None:
+    """None when `device` has tensor cores for `mode`, else one sentence saying why not."""
+    device = torch.device(device)
+    if mode == "bf16":
+        return None
+    if device.type != "cuda":
+        return (f"base_compute={mode} needs an NVIDIA GPU with {mode} tensor cores; {device.type} has none "
+                "(use base_compute=bf16)")
+    major, minor = torch.cuda.get_device_capability(device)
+    name = torch.cuda.get_device_name(device)
+    if mode == "fp8" and (major, minor) < (8, 9):
+        return (f"base_compute=fp8 needs fp8 tensor cores (compute capability 8.9+: Ada, Hopper, Blackwell); "
+                f"{name} is {major}.{minor}: use base_compute=int8" + ("" if major >= 8 else " or bf16"))
+    if mode == "int8" and major < 8:
+        return f"base_compute=int8 needs compute capability 8.0+ (Ampere or newer); {name} is {major}.{minor}"
+    return None
+
+
+def _qmax(mode: str) -> float:
+    return FP8_MAX if mode == "fp8" else INT8_MAX
+
+
+def _to_q(t: torch.Tensor, mode: str) -> torch.Tensor:
+    if mode == "fp8":
+        return t.clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return t.round().clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+
+
+def quantise_rows(t: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row quantisation of a 2-D tensor: (q, scale [rows, 1] fp32), t ~= q * scale."""
+    amax = t.detach().abs().amax(dim=-1, keepdim=True).float().clamp_min(1e-12)
+    scale = amax / _qmax(mode)
+    return _to_q(t.float() / scale, mode), scale
+
+
+def quantise_weight(w: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Linear weight [out, in] -> (Wq [out, in], sw [out] fp32), per output channel."""
+    q, s = quantise_rows(w.detach(), mode)
+    return q, s.reshape(-1)
+
+
+def _deq(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    return q.float() * s
+
+
+def _mm8(a: torch.Tensor, sa: torch.Tensor, b_t: torch.Tensor, sb: torch.Tensor | None, mode: str,
+         out_dtype: torch.dtype, emulate: bool) -> torch.Tensor:
+    """(a * sa) @ (b_t^T * sb): a [M, K] quantised per row with sa [M, 1]; b_t [N, K] (rows = output
+    columns) quantised with sb [N] (or None for 1). Result [M, N] in out_dtype."""
+    if emulate:
+        y = (a.float() @ b_t.float().t()) * sa
+        return (y if sb is None else y * sb).to(out_dtype)
+    if mode == "fp8":
+        ones = sb if sb is not None else torch.ones(b_t.shape[0], device=a.device, dtype=torch.float32)
+        return torch._scaled_mm(a, b_t.t(), scale_a=sa.float().contiguous(),
+                                scale_b=ones.float().reshape(1, -1).contiguous(), out_dtype=out_dtype)
+    y = torch._int_mm(a, b_t.t()).float() * sa
+    return (y if sb is None else y * sb).to(out_dtype)
+
+
+class _Base8(torch.autograd.Function):
+    """y = x @ W^T (+ b) with W frozen and 8-bit; backward returns grad_x only."""
+
+    @staticmethod
+    def forward(ctx, x2, wq, sw, bias, mode, emulate, out_dtype):
+        xq, sx = quantise_rows(x2, mode)
+        y = _mm8(xq, sx, wq, sw, mode, out_dtype, emulate)
+        if bias is not None:
+            y = y + bias.to(out_dtype)
+        ctx.save_for_backward(wq, sw)
+        ctx.mode, ctx.emulate, ctx.x_dtype = mode, emulate, x2.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, gy):
+        wq, sw = ctx.saved_tensors
+        if not ctx.needs_input_grad[0]:
+            return (None,) * 7
+        g = gy.float() * sw                                 # the channel scale moves onto grad_y's columns
+        gq, sg = quantise_rows(g, ctx.mode)
+        w_t = wq.t() if ctx.emulate else wq.t().contiguous()     # [in, out]: rows = grad_x's columns
+        gx = _mm8(gq, sg, w_t, None, ctx.mode, ctx.x_dtype, ctx.emulate)
+        return gx, None, None, None, None, None, None
+
+
+def linear_8bit(x: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, bias: torch.Tensor | None, mode: str,
+                emulate: bool = False) -> torch.Tensor:
+    """The 8-bit base Linear: x [..., in] -> [..., out] in the compute dtype (autocast's, else x's)."""
+    dev = x.device.type
+    compute = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+    if emulate and compute not in (torch.float32, torch.float64):
+        compute = compute                                    # emulation keeps the caller's dtype for output
+    x2 = x.reshape(-1, x.shape[-1])
+    if not emulate:
+        x2 = x2.to(torch.bfloat16)
+        if mode == "int8" and x2.shape[0] <= 16:             # _int_mm needs more than 16 rows
+            pad = torch.zeros(17 - x2.shape[0], x2.shape[1], device=x2.device, dtype=x2.dtype)
+            y = _Base8.apply(torch.cat([x2, pad]), wq, sw, bias, mode, emulate, compute)[: x2.shape[0]]
+            return y.reshape(*x.shape[:-1], y.shape[-1])
+    with torch.autocast(dev, enabled=False):
+        y = _Base8.apply(x2, wq, sw, bias, mode, emulate, compute)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def _forward_8bit(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return linear_8bit(x, layer.ugpum_wq, layer.ugpum_sw, layer.ugpum_bias, layer.ugpum_mode, layer.ugpum_emulate)
+
+
+def use_8bit_base(model: nn.Module, linear_paths: list[str], mode: str, log=print, *, emulate: bool = False,
+                  keep: str = "cpu"):
+    """Run the frozen Linears at `linear_paths` in `mode` (bf16 changes nothing). Returns `undo()`, which
+    puts back the exact original weights.
+
+    keep: where the original weights wait for `undo` meanwhile: 'cpu' (host memory; the GPU then holds 1
+    byte a weight), 'device' (stays, no saving, fastest undo) or 'none' (dropped; `undo` then refuses).
+    emulate: run the fp32 reference emulation instead of 8-bit kernels (any device, tests)."""
+    if mode not in MODES:
+        raise ValueError(f"base_compute {mode!r}: use one of {', '.join(MODES)}")
+    if mode == "bf16" or not linear_paths:
+        return lambda: None
+    layers = [model.get_submodule(p) for p in linear_paths]
+    if not emulate:
+        for dev in sorted({str(layer.weight.device) for layer in layers}):
+            reason = supports(mode, dev)
+            if reason:
+                raise BaseComputeError(reason)
+    stash = []
+    n_params = 0
+    for path, layer in zip(linear_paths, layers):
+        if not isinstance(layer, nn.Linear):
+            raise TypeError(f"base_compute target {path} is a {type(layer).__name__}, not a Linear")
+        w = layer.weight
+        if w.requires_grad:
+            raise ValueError(f"base_compute: {path}'s weight is trainable; only frozen base weights go 8-bit")
+        wq, sw = quantise_weight(w.float() if w.dtype not in (torch.float32, torch.bfloat16, torch.float16)
+                                 else w, mode)
+        layer.ugpum_wq, layer.ugpum_sw = wq, sw
+        b = layer.bias
+        layer.ugpum_bias = None if b is None else b.detach()
+        layer.ugpum_mode, layer.ugpum_emulate = mode, emulate
+        original = w.data
+        if keep == "cpu":
+            saved = original.to("cpu", copy=True)
+            w.data = torch.empty(0, device=original.device, dtype=original.dtype)
+        elif keep == "none":
+            saved = None
+            w.data = torch.empty(0, device=original.device, dtype=original.dtype)
+        else:
+            saved = original
+        stash.append((layer, saved, original.device, original.shape))
+        layer.forward = functools.partial(_forward_8bit, layer)
+        n_params += wq.numel()
+    log(f"base_compute={mode}{' (emulated in fp32)' if emulate else ''}: {len(layers)} frozen Linears "
+        f"({n_params / 1e9:.2f} B weights) quantised per output channel, activations per token")
+
+    def undo():
+        if keep == "none":
+            raise BaseComputeError("base_compute: the original weights were dropped (keep='none'); reload the model")
+        for layer, saved, device, shape in stash:
+            layer.weight.data = saved.to(device) if saved.device != device else saved
+            for name in ("ugpum_wq", "ugpum_sw", "ugpum_bias", "ugpum_mode", "ugpum_emulate", "forward"):
+                layer.__dict__.pop(name, None)
+    return undo
+
+
+# measured on one H200 (bench/speed.py, 2026-12-04); None until measured: the planner then uses 1.0
+MEASURED_SPEEDUP = {"bf16": 1.0, "fp8": None, "int8": None}
+
+
+def base_compute_factors(mode: str, device="cuda") -> tuple[float, float]:
+    """(weight bytes per base parameter held on the device, speed factor of the base matmuls vs bf16) for
+    the planner. 8-bit modes also need, transiently, one transposed copy of the largest Linear's weight in
+    backward (1 byte a weight) and the quantised activation (1 byte per element of the input)."""
+    if mode not in MODES:
+        raise ValueError(f"base_compute {mode!r}: use one of {', '.join(MODES)}")
+    if mode == "bf16":
+        return 2.0, 1.0
+    speed = MEASURED_SPEEDUP.get(mode)
+    return 1.0 + 4.0 / 4096, float(speed) if speed else 1.0      # + the fp32 per-channel scale (hidden 4096)
