@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import struct
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -225,7 +227,6 @@ def _plan_without_budgets(path: Path) -> dict:
 def test_trainer_node_and_command_line_train_the_same_plan(server, tmp_path, schedule):
     """Two CPU stages, 4 micro-batches: the plan the Trainer node trained with (its run folder's
     plan.json) is the one `python -m ugpum train` trains with for the same settings."""
-    from ugpum.commands import main
     prompt = {"1": loader(TINY_FILE, devices="cpu, cpu"),
               "2": planner(["1", 0], resolution=64, rank=4, grad_accum=4, schedule=schedule),
               "3": trainer(f"tiny_plan_{schedule}", 1)}
@@ -233,9 +234,11 @@ def test_trainer_node_and_command_line_train_the_same_plan(server, tmp_path, sch
     assert_success(entry, server)
     node_plan = _plan_without_budgets(server.output_dir / "ugpum" / f"tiny_plan_{schedule}" / "plan.json")
     out = tmp_path / "cli"
-    assert main(["train", "--profile", "tiny-flux2", "--dataset", str(REPO / "demo_datasets" / "loranne"),
-                 "--devices", "cpu,cpu", "--grad-accum", "4", "--schedule", schedule, "--steps", "1",
-                 "--sample-every", "0", "--out", str(out)]) == 0
+    done = subprocess.run([sys.executable, "-m", "ugpum", "train", "--profile", "tiny-flux2", "--dataset",
+                           str(REPO / "demo_datasets" / "loranne"), "--devices", "cpu,cpu", "--grad-accum", "4",
+                           "--schedule", schedule, "--steps", "1", "--sample-every", "0", "--out", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
     assert (node_plan["schedule"], node_plan["in_flight"]) == (schedule, 4 if schedule == "gpipe" else 2)
     assert node_plan == _plan_without_budgets(out / "plan.json")
 
