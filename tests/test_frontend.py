@@ -11,6 +11,10 @@ A ComfyUI server (the packaged copy, or ``COMFYUI_PATH``) runs with its real fro
   live preview, the loss curve and before/after images reach the preview nodes, the Sample Preview
   shows before and after, and ComfyUI's LoRA lists then offer the trained file.
 
+The registry metadata (pyproject.toml [tool.comfy], [project.urls], the icon) is checked by the Comfy
+Registry's own validator, ``comfy node validate`` of the PyPI package comfy-cli (installed once into
+~/.cache/ugpum/comfy-cli, about 30 s and 340 MB).
+
 Screenshots (PNG) go into the test's tmp_path: ``workflow_<name>.png``, ``running.png`` and
 ``finished.png``; ``UGPUM_SCREENSHOTS=<dir>`` copies them there as well.
 """
@@ -27,7 +31,6 @@ import pytest
 from support.browser import Chromium, FrontendServer, browser_or_skip, frontend_root, frontend_version
 from support.comfy_server import REPO, PACK_DIR_NAME, comfyui_or_skip, execution_error, private_copy
 
-pytestmark = pytest.mark.browser
 
 WORKFLOWS = sorted((REPO / "example_workflows").glob("*.json"))
 KLEIN = REPO / "example_workflows" / "ugpum_klein9b_lora.json"
@@ -206,6 +209,7 @@ def widget_tooltips(server: FrontendServer, node_type: str) -> dict[str, str]:
 
 # ------------------------------------------------------------------------------------------ tests
 
+@pytest.mark.browser
 def test_every_widget_of_ours_declares_a_tooltip(frontend_server):
     """The frontend shows a widget's tooltip only where the node declares one."""
     from test_comfy_nodes import widget_inputs
@@ -215,12 +219,14 @@ def test_every_widget_of_ours_declares_a_tooltip(frontend_server):
     assert not missing, "widgets without a tooltip: " + ", ".join(missing)
 
 
+@pytest.mark.browser
 def test_server_lists_the_workflows_as_templates(frontend_server):
     listed = frontend_server.get_json("/api/workflow_templates")
     assert sorted(listed.get(PACK_DIR_NAME, [])) == sorted(w.stem for w in WORKFLOWS), listed
     assert "IMPORT FAILED" not in frontend_server.log()
 
 
+@pytest.mark.browser
 @pytest.mark.parametrize("workflow", WORKFLOWS, ids=lambda p: p.stem)
 def test_workflow_opens_from_templates_with_widgets_and_tooltips(page, frontend_server, workflow, tmp_path):
     page.open_template(workflow.stem)
@@ -265,6 +271,7 @@ def test_workflow_opens_from_templates_with_widgets_and_tooltips(page, frontend_
     assert not page.errors, page.errors
 
 
+@pytest.mark.browser
 def test_klein_workflow_runs_from_the_ui(page, frontend_server, tmp_path):
     server = frontend_server
     page.open_template(KLEIN.stem)
@@ -341,3 +348,49 @@ def test_klein_workflow_runs_from_the_ui(page, frontend_server, tmp_path):
     print(f"\nklein workflow from the UI: {elapsed:.1f} s, frontend {frontend_version(frontend_root())}, "
           f"screenshots {running_shot} {finished_shot}")
     assert not page.errors, page.errors
+
+
+# ------------------------------------------------------------------------------------------ registry
+
+COMFY_CLI_VENV = Path(os.environ.get("UGPUM_COMFY_CLI_VENV", Path.home() / ".cache" / "ugpum" / "comfy-cli"))
+ALLOWED_WARNINGS = ("License should be",)     # the registry accepts a pack without one; choosing it is the owners'
+
+
+def comfy_cli() -> Path:
+    import subprocess
+    import sys
+    comfy = COMFY_CLI_VENV / "bin" / "comfy"
+    if not comfy.is_file():
+        shutil.rmtree(COMFY_CLI_VENV, ignore_errors=True)
+        subprocess.run([sys.executable, "-m", "venv", str(COMFY_CLI_VENV)], check=True)
+        subprocess.run([str(COMFY_CLI_VENV / "bin" / "python"), "-m", "pip", "install", "-q",
+                        "--disable-pip-version-check", "comfy-cli"], check=True)
+    return comfy
+
+
+def test_registry_metadata_is_complete():
+    import tomllib
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())
+    comfy, urls = project["tool"]["comfy"], project["project"]["urls"]
+    for key in ("PublisherId", "DisplayName", "Icon"):
+        assert isinstance(comfy.get(key), str) and comfy[key].strip(), key
+    assert urls.get("Repository", "").startswith("https://github.com/") and all(v.strip() for v in urls.values()), urls
+    prefix = "https://raw.githubusercontent.com/ugpum/ComfyUI-UGPUM/main/"
+    assert comfy["Icon"].startswith(prefix), comfy["Icon"]
+    from PIL import Image
+    with Image.open(REPO / comfy["Icon"][len(prefix):]) as icon:      # the file the raw URL will serve
+        assert icon.format == "PNG" and icon.size[0] == icon.size[1] <= 400, (icon.format, icon.size)
+
+
+def test_comfy_node_validate_passes():
+    """What `comfy node publish` checks first: the [project] / [tool.comfy] configuration and ruff's
+    exec / eval / one-line-statements rules (S102, S307, E702) over the repository."""
+    import subprocess
+    result = subprocess.run([str(comfy_cli()), "--skip-prompt", "--no-enable-telemetry", "node", "validate"],
+                            cwd=REPO, capture_output=True, text=True, timeout=300)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert "All validation checks passed successfully" in output, output
+    warnings = [line for line in output.splitlines()
+                if ("Warning" in line or "Error" in line) and not any(a in line for a in ALLOWED_WARNINGS)]
+    assert not warnings, output
