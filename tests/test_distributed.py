@@ -177,6 +177,7 @@ def common(dataset: Path, profile: str, steps: int, grad_accum: int, schedule: s
             "--grad-accum", str(grad_accum), "--sample-every", "0", "--schedule", schedule]
 
 
+@pytest.mark.slow
 def test_two_stages_on_two_ranks_train_the_single_process_lora(tmp_path):
     """2 ranks, 1F1B, buckets of two shapes in one step (a stage and schedule per shape): the LoRA,
     the logged losses and the checkpoint are the single-process run's."""
@@ -196,11 +197,10 @@ def test_two_stages_on_two_ranks_train_the_single_process_lora(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("profile, ranks, replicas, schedule", [
-    ("tiny-flux2", 4, 2, "1f1b"),
+@pytest.mark.parametrize("profile, ranks, replicas, schedule", [     # with the test above: each family with
+    ("tiny-flux2", 4, 2, "gpipe"),                                    # each schedule and both layouts
     ("tiny-wan", 2, 1, "gpipe"),
     ("tiny-wan", 4, 2, "1f1b"),
-    ("tiny-flux2", 2, 1, "gpipe"),
 ])
 def test_pipeline_and_replicas_train_the_single_process_lora(tmp_path, profile, ranks, replicas, schedule):
     args = common(DATASET, profile, steps=3, grad_accum=4, schedule=schedule)
