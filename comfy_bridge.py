@@ -268,6 +268,16 @@ def free_comfy_memory() -> None:
     comfy.model_management.soft_empty_cache()
 
 
+def return_memory() -> None:
+    """After a UGPUM node: collect what the run's hooks kept alive and hand the freed cache back to
+    ComfyUI (and to other processes), so ComfyUI sees the GPUs as before the run."""
+    import gc
+
+    import comfy.model_management
+    gc.collect()
+    comfy.model_management.soft_empty_cache()
+
+
 def _fingerprint(module) -> str:
     """A cheap identity for cache keys: class name plus a sample of the first weights."""
     h = hashlib.sha256(type(module).__name__.encode())

@@ -7,7 +7,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from comfy_bridge import ComfyEncoders, build_meta, free_comfy_memory  # noqa: F401  (shared with the CLI)
+from comfy_bridge import ComfyEncoders, build_meta, free_comfy_memory, return_memory  # noqa: F401  (shared with the CLI)
 
 def build_meta_model(spec, dtype: torch.dtype) -> torch.nn.Module:
     """ComfyUI's own FLUX.2 / Wan 2.1 module for `spec` on the meta device (this running ComfyUI's

@@ -61,24 +61,27 @@ class SamplePreview(io.ComfyNode):
         frames = frames or plan.config.frames
         if model.spec.frames_error(frames):
             raise UGPUMError(f"{NODE}: frames = {frames}: {model.spec.frames_error(frames)}.")
+        from ugpum.dtypes import TORCH_DTYPES, training_dtype
         from ugpum.preview import render_on_plan
         from ugpum.report import to_pil
 
-        from ugpum.dtypes import TORCH_DTYPES, training_dtype
-
-        from .comfy_glue import build_meta_model, free_comfy_memory, pil_to_image
+        from .comfy_glue import build_meta_model, free_comfy_memory, pil_to_image, return_memory
         from .trainer import make_encoders
 
         dtype = TORCH_DTYPES[training_dtype(model.weight_dtype)]
-        with user_errors(NODE), torch.inference_mode(False):
-            free_comfy_memory()
-            encoders = make_encoders(model, clip, vae)
-            positive = encoders.encode_text([prompt])[0]
-            negative = encoders.encode_text([""])[0]
-            module = build_meta_model(model.spec, dtype)
-            images = render_on_plan(model.spec, plan.plan, module, str(model.path), model.key_prefix, dtype,
-                                    encoders.decode, positive, negative, width, height, seed % 2**63, steps,
-                                    lora_tensors=lora, strength=strength, before_and_after=before_and_after,
-                                    frames=frames)
+        try:
+            with user_errors(NODE), torch.inference_mode(False):
+                free_comfy_memory()
+                encoders = make_encoders(model, clip, vae)
+                positive = encoders.encode_text([prompt])[0]
+                negative = encoders.encode_text([""])[0]
+                module = build_meta_model(model.spec, dtype)
+                images = render_on_plan(model.spec, plan.plan, module, str(model.path), model.key_prefix, dtype,
+                                        encoders.decode, positive, negative, width, height, seed % 2**63, steps,
+                                        lora_tensors=lora, strength=strength, before_and_after=before_and_after,
+                                        frames=frames)
+        finally:
+            encoders = module = None
+            return_memory()
         batch = pil_to_image([to_pil(frame) for sample in images for frame in sample])
         return io.NodeOutput(batch, ui=ui.PreviewImage(batch, cls=cls))

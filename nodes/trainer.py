@@ -212,7 +212,7 @@ class LoRATrainer(io.ComfyNode):
         from ugpum.train.checkpoint import latest_checkpoint
         from ugpum.train.loop import earlier_run, train
 
-        from .comfy_glue import build_meta_model, free_comfy_memory, pil_to_image
+        from .comfy_glue import build_meta_model, free_comfy_memory, pil_to_image, return_memory
 
         if plan.model.path != model.path:
             raise UGPUMError(f"{NODE}: the plan was made for {plan.model.file_name}, not {model.file_name}; "
@@ -235,18 +235,22 @@ class LoRATrainer(io.ComfyNode):
 
         def report(message) -> None:
             log.info("UGPUM %.1fs: %s", time.perf_counter() - t_start, str(message).strip())
-        # ComfyUI runs nodes under torch.inference_mode(); training needs autograd back
-        with user_errors(NODE), comfy_training_mode(), torch.inference_mode(False), torch.enable_grad():
-            free_comfy_memory()
-            module = build_meta_model(model.spec, TORCH_DTYPES[cfg.weight_dtype])
-            hooks = dict(on_step=lambda step, total, loss: bar.update_absolute(step, total),
-                         check_interrupt=mm.throw_exception_if_processing_interrupted, log=report,
-                         # a run that stops early (Cancel, an error): list its LoRA so far with the LoRAs
-                         on_partial_lora=lambda path: _publish(path, dest.with_name(path.name)))
-            hooks["on_sample"] = lambda step, image: bar.update_absolute(     # live preview on the node
-                step, steps, preview=("JPEG", image.convert("RGB"), 512))
-            result = train(cfg, out, encoders=encoders, model=module, key_prefix=model.key_prefix,
-                           plan=plan.plan, resume=resumed, **hooks)
+        try:
+            # ComfyUI runs nodes under torch.inference_mode(); training needs autograd back
+            with user_errors(NODE), comfy_training_mode(), torch.inference_mode(False), torch.enable_grad():
+                free_comfy_memory()
+                module = build_meta_model(model.spec, TORCH_DTYPES[cfg.weight_dtype])
+                hooks = dict(on_step=lambda step, total, loss: bar.update_absolute(step, total),
+                             check_interrupt=mm.throw_exception_if_processing_interrupted, log=report,
+                             # a run that stops early (Cancel, an error): list its LoRA so far with the LoRAs
+                             on_partial_lora=lambda path: _publish(path, dest.with_name(path.name)))
+                hooks["on_sample"] = lambda step, image: bar.update_absolute(     # live preview on the node
+                    step, steps, preview=("JPEG", image.convert("RGB"), 512))
+                result = train(cfg, out, encoders=encoders, model=module, key_prefix=model.key_prefix,
+                               plan=plan.plan, resume=resumed, **hooks)
+        finally:
+            encoders = module = None
+            return_memory()
         _publish(result.lora_path, dest)
         lora = comfy.utils.load_torch_file(str(dest), safe_load=True)
         curve = pil_to_image([loss_curve(result.losses)])

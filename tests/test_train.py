@@ -369,3 +369,22 @@ def test_guidance_trains_at_one_and_previews_at_the_templates_four():
     assert training_guidance(dev, None) == 1.0 and guidance_for(dev, None) == 4.0
     assert training_guidance(dev, 2.5) == 2.5 and training_guidance(klein, 2.5) is None
     assert load_config("klein-9b-1024").timesteps == "flux2_shift"
+
+
+def test_a_model_streamed_from_its_file_is_dropped_after_training(tmp_path):
+    """The engine places a DiT built on the meta device from its file, and drops those weights when
+    the run ends (on the GPU they stayed allocated until a garbage collection: bench/results)."""
+    from safetensors.torch import save_file
+
+    from comfy_bridge import build_random
+    from ugpum.arch import get_spec
+    from ugpum.commands.train import build_encoders, build_model
+    from ugpum.train.loop import train as engine
+    path = tmp_path / "tiny.safetensors"
+    save_file({k: v.contiguous() for k, v in build_random(get_spec("tiny-flux2"), torch.float32).state_dict().items()},
+              str(path))
+    c = cfg(steps=1, model_file=str(path))
+    model, prefix = build_model(c)
+    assert all(p.is_meta for p in model.parameters())
+    engine(c, tmp_path / "run", model=model, encoders=build_encoders(c, None), key_prefix=prefix, **QUIET)
+    assert all(p.is_meta for p in model.parameters()) and all(b.is_meta for b in model.buffers())

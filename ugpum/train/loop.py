@@ -219,6 +219,7 @@ def prepare_model(cfg: TrainConfig, spec, plan: Plan, model, key_prefix: str = "
     """Place the DiT by the plan (streaming it from its file when built on meta), make it safe to
     differentiate, checkpoint its blocks and attach the LoRA."""
     dtype = TORCH_DTYPES[cfg.weight_dtype]
+    on_meta = any(p.is_meta for p in model.parameters())     # streamed from its file: dropped after
     placement = place_by_plan(model, plan, spec.tail_modules, cfg.model_file, key_prefix, dtype)
     block_paths = [b.path for b in spec.blocks]
     guards = guard_inplace_residuals(model, include_rms=False)
@@ -231,7 +232,7 @@ def prepare_model(cfg: TrainConfig, spec, plan: Plan, model, key_prefix: str = "
         undo_ckpt()
         for g in guards:
             g.remove()
-        placement.undo()
+        placement.undo("meta" if on_meta else None)
     return model, lora, placement.layout, release
 
 
