@@ -191,7 +191,8 @@ def grad_check(model, spec, lora, forward, out: Path) -> None:
             gen = torch.Generator(device=DEV).manual_seed(2)
             loss = sum((t.float() * torch.randn(t.shape, generator=gen, device=DEV)).sum() for t in outs)
             ps = [p for _, a in adapters for p in (a.A, a.B)]
-            grads = torch.autograd.grad(loss, ps, allow_unused=True)
+            grads = torch.autograd.grad(loss, ps, allow_unused=True, retain_graph=True)   # (see speed.md: a shared
+            # graph piece was freed by the first mode's backward on the GPU; not reproduced on the CPU)
             res[mode] = torch.cat([(g if g is not None else torch.zeros_like(p)).flatten().float()
                                    for g, p in zip(grads, ps)])
             undo()
