@@ -56,7 +56,7 @@ def frontend_version(root: Path) -> str:
             pass
     dist = list(root.parent.parent.glob("comfyui_frontend_package-*.dist-info"))
     if dist:
-        return dist[0].name.split("-")[1].removesuffix(".dist-info")
+        return dist[0].name.removesuffix(".dist-info").split("-")[1]
     return "unknown"
 
 
