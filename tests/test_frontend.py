@@ -177,7 +177,7 @@ class Page:
         return ""
 
     def screenshot(self, path: Path) -> Path:
-        self.page.mouse.move(5, 5)                          # no tooltip in the picture
+        self.page.mouse.move(900, 990)                      # over empty canvas: no tooltip in the picture
         self.page.wait_for_timeout(150)
         self.page.screenshot(path=str(path))
         target = os.environ.get("UGPUM_SCREENSHOTS")
