@@ -2,6 +2,16 @@
 
 Each adapter lives on its layer's device, keeps fp32 master weights, and adds
 `(alpha / rank) * B(A(x))` to the layer's output. B starts at zero, so a fresh LoRA changes nothing.
+
+The lean path (issue 16): per call, two kernels beyond the base matmul and no extra pass over the
+activation or the output. `h = x @ A^T` reads the activation once (the [tokens, rank] result is tiny),
+then ONE `addmm(out, h, B^T, alpha=scale)` does the second matmul, the scale and the residual add in the
+GEMM's epilogue (before: matmul, matmul, mul, add, and two casts: every one a pass over
+[tokens, out_features]). Autograd needs nothing cached: addmm's backward is two small GEMMs (grad_h =
+scale * grad @ B, grad_B = scale * grad^T @ h) and the A matmul's backward the usual two; the masters
+stay fp32 parameters (under autocast the casts to bf16 are autograd ops, so their gradients land in
+fp32). Inside a block compiled by `ugpum.compile`, the hook is traced into the block's graph (Dynamo
+inlines module hooks of inbuilt nn.Modules) and inductor fuses what is left.
 """
 from __future__ import annotations
 
@@ -32,6 +42,27 @@ class LoraAdapter(nn.Module):
         b = self.B if compute is None else self.B.to(compute)
         return (x @ a.t()) @ b.t() * self.scale
 
+    def add_to(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """`out + scale * B(A(x))` in two kernels: x @ A^T, then one addmm (matmul, scale and add)."""
+        autocast = torch.is_autocast_enabled(x.device.type)
+        a = self.A if autocast or self.A.dtype == x.dtype else self.A.to(x.dtype)
+        b = self.B if autocast or self.B.dtype == out.dtype else self.B.to(out.dtype)
+        h = x.reshape(-1, x.shape[-1]) @ a.t()
+        if not autocast and h.dtype != out.dtype:
+            h = h.to(out.dtype)
+        y = torch.addmm(out.reshape(-1, out.shape[-1]), h, b.t(), alpha=self.scale)
+        return y.view(out.shape)
+
+
+class _Hook:
+    """The forward hook of one adapter (a small object, not a lambda: it pickles and names itself)."""
+
+    def __init__(self, adapter: LoraAdapter):
+        self.adapter = adapter
+
+    def __call__(self, _module, args, out):
+        return self.adapter.add_to(args[0], out)
+
 
 class LoraSet(nn.Module):
     """All adapters of one model, keyed by the Linear's module path (ComfyUI's names)."""
@@ -55,7 +86,7 @@ class LoraSet(nn.Module):
                               generator)
         self.adapters[self._key(path)] = adapter
         self._paths[self._key(path)] = path
-        self._handles.append(layer.register_forward_hook(lambda _m, args, out: out + adapter.delta(args[0])))
+        self._handles.append(layer.register_forward_hook(_Hook(adapter)))
         return adapter
 
     def items(self):
