@@ -26,13 +26,19 @@ class SamplePreview(io.ComfyNode):
             inputs=[
                 UGPUM_MODEL.Input("model"),
                 UGPUM_PLAN.Input("plan"),
-                io.String.Input("prompt", default=DEFAULT_SAMPLE_PROMPT, multiline=True),
-                io.Int.Input("seed", default=0, min=0, max=0xFFFFFFFFFFFFFFFF, control_after_generate=True),
+                io.String.Input("prompt", default=DEFAULT_SAMPLE_PROMPT, multiline=True,
+                                tooltip="What to render, encoded by the connected text encoder (the trigger "
+                                        "word brings in what the LoRA learned)."),
+                io.Int.Input("seed", default=0, min=0, max=0xFFFFFFFFFFFFFFFF, control_after_generate=True,
+                             tooltip="The starting noise; the same seed with and without the LoRA shows "
+                                     "what the LoRA changes."),
                 io.Int.Input("steps", default=0, min=0, max=200,
                              tooltip="Sampling steps; 0: the model's default (4 for distilled FLUX.2 "
                                      "[klein], 50 for base models)."),
-                io.Int.Input("width", default=1024, min=256, max=4096, step=16),
-                io.Int.Input("height", default=1024, min=256, max=4096, step=16),
+                io.Int.Input("width", default=1024, min=256, max=4096, step=16,
+                             tooltip="Image width in pixels (a multiple of 16)."),
+                io.Int.Input("height", default=1024, min=256, max=4096, step=16,
+                             tooltip="Image height in pixels (a multiple of 16)."),
                 io.Int.Input("frames", default=0, min=0, max=161, optional=True,
                              tooltip="Wan: frames of the clip (4k+1: 1, 17, 33, 81); 0: the plan's frames. "
                                      "Every frame is an image of the output batch (connect it to Create "

@@ -157,11 +157,15 @@ class LoRATrainer(io.ComfyNode):
                                 tooltip="Put in front of every caption that lacks it."),
                 io.Int.Input("steps", default=300, min=1, max=100000, tooltip="Optimizer steps."),
                 io.Float.Input("learning_rate", default=1e-4, min=1e-7, max=1e-2, step=1e-6,
-                               display_name="learning rate"),
+                               display_name="learning rate",
+                               tooltip="AdamW's learning rate for the LoRA; 1e-4 is the usual start for FLUX.2 "
+                                       "and Wan LoRAs."),
                 io.Float.Input("alpha", default=16.0, min=0.01, max=1024.0, step=0.5,
                                tooltip="LoRA alpha; the update is scaled by alpha / rank (rank is set on "
                                        "the Partition Planner)."),
-                io.Int.Input("seed", default=0, min=0, max=0xFFFFFFFFFFFFFFFF, control_after_generate=True),
+                io.Int.Input("seed", default=0, min=0, max=0xFFFFFFFFFFFFFFFF, control_after_generate=True,
+                             tooltip="Seeds the LoRA's start, the data order, the noise and the timesteps: the "
+                                     "same seed and settings train the same LoRA."),
                 io.String.Input("sample_prompt", default=DEFAULT_SAMPLE_PROMPT, multiline=True,
                                 display_name="sample prompt",
                                 tooltip="Rendered before training and every N steps (live preview on this "
