@@ -20,12 +20,13 @@ SCHEDULE_CHOICES = ["auto", *SCHEDULES]
 
 
 def planning_config(model: UGPUMModel, resolution: int, batch: int, grad_accum: int, rank: int,
-                    checkpointing: str, frames: int, schedule: str):
+                    checkpointing: str, frames: int, schedule: str, base_compute: str = "bf16"):
     """The TrainConfig of the settings the plan depends on (the Trainer adds the rest to it)."""
     return load_config(overrides=dict(
         model=model.model_id, model_file=model.path, resolution=resolution, frames=frames, batch=batch,
         grad_accum=grad_accum, rank=rank, alpha=float(rank), checkpointing=checkpointing == "block",
-        weight_dtype=training_dtype(model.weight_dtype), devices=list(model.devices), schedule=schedule))
+        weight_dtype=training_dtype(model.weight_dtype), devices=list(model.devices), schedule=schedule,
+        base_compute=base_compute))
 
 
 def parse_split(text: str, n_devices: int, n_blocks: int) -> list[int] | None:
@@ -83,6 +84,11 @@ class PartitionPlanner(io.ComfyNode):
                 io.String.Input("manual_split", default="", optional=True, display_name="manual split",
                                 tooltip="Optional: blocks per device in device order, e.g. '14, 18'. "
                                         "Empty: the planner chooses."),
+                io.Combo.Input("base_compute", options=["bf16", "fp8", "int8"], default="bf16", optional=True,
+                               display_name="base compute",
+                               tooltip="Precision of the frozen base weights' matmuls: bf16, or 8-bit (fp8 on "
+                                       "RTX 40/50 and H100/H200, int8 on RTX 30) with 1 byte a weight on the GPUs; "
+                                       "the LoRA trains in full precision either way."),
             ],
             outputs=[UGPUM_PLAN.Output("UGPUM_PLAN", display_name="plan"),
                      io.String.Output("report", display_name="report")],
@@ -90,11 +96,13 @@ class PartitionPlanner(io.ComfyNode):
 
     @classmethod
     def execute(cls, model: UGPUMModel, resolution: int, batch: int, grad_accum: int, rank: int,
-                checkpointing: str, frames: int = 1, schedule: str = "auto", manual_split: str = "") -> io.NodeOutput:
+                checkpointing: str, frames: int = 1, schedule: str = "auto", manual_split: str = "",
+                base_compute: str = "bf16") -> io.NodeOutput:
         if model.spec.frames_error(frames):
             raise UGPUMError(f"{NODE}: frames {frames}: {model.spec.frames_error(frames)}.")
         with user_errors(NODE):
-            config = planning_config(model, resolution, batch, grad_accum, rank, checkpointing, frames, schedule)
+            config = planning_config(model, resolution, batch, grad_accum, rank, checkpointing, frames, schedule,
+                                     base_compute)
             devices = resolve_devices(config.devices, model.spec)
             split = parse_split(manual_split or "", len(devices), len(model.spec.blocks))
             plan = plan_training(model.spec, devices, config.workload(), grad_accum=grad_accum,

@@ -36,13 +36,14 @@ NODE_CONTRACT = {
     "UGPUMPartitionPlanner": dict(
         required={"model": "UGPUM_MODEL", "resolution": "INT", "batch": "INT", "grad_accum": "INT",
                   "rank": "INT", "checkpointing": "COMBO"},
-        optional={"frames": "INT", "schedule": "COMBO", "manual_split": "STRING"},
+        optional={"frames": "INT", "schedule": "COMBO", "manual_split": "STRING", "base_compute": "COMBO"},
         outputs=[("UGPUM_PLAN", "plan"), ("STRING", "report")], output_node=True),
     "UGPUMLoRATrainer": dict(
         required={"model": "UGPUM_MODEL", "plan": "UGPUM_PLAN", "dataset": "COMBO", "trigger_word": "STRING",
                   "steps": "INT", "learning_rate": "FLOAT", "alpha": "FLOAT", "seed": "INT",
                   "sample_prompt": "STRING", "sample_every": "INT", "save_name": "STRING"},
-        optional={"clip": "CLIP", "vae": "VAE", "frame_stride": "INT", "resume": "BOOLEAN", "timesteps": "COMBO"},
+        optional={"clip": "CLIP", "vae": "VAE", "frame_stride": "INT", "resume": "BOOLEAN", "timesteps": "COMBO",
+                  "compile": "COMBO"},
         outputs=[("LORA_MODEL", "lora"), ("STRING", "lora file"), ("IMAGE", "loss curve"),
                  ("IMAGE", "before / after")], output_node=True),
     "UGPUMSamplePreview": dict(

@@ -388,3 +388,19 @@ def test_a_model_streamed_from_its_file_is_dropped_after_training(tmp_path):
     assert all(p.is_meta for p in model.parameters())
     engine(c, tmp_path / "run", model=model, encoders=build_encoders(c, None), key_prefix=prefix, **QUIET)
     assert all(p.is_meta for p in model.parameters()) and all(b.is_meta for b in model.buffers())
+
+
+def test_compile_and_base_compute_settings_reach_the_engine(tmp_path, capsys):
+    """compile=auto on the CPU says once why it runs eagerly; an 8-bit base on a device without it is
+    one sentence (the kernels themselves: tests/test_compile.py, tests/test_base_compute.py)."""
+    from ugpum.commands import main
+    out = tmp_path / "run"
+    assert main(["train", "--profile", "tiny-flux2", "--dataset", str(DATASET), "--devices", "cpu", "--steps", "1",
+                 "--sample-every", "0", "--compile", "auto", "--out", str(out)]) == 0
+    assert capsys.readouterr().out.count("compile=auto: blocks on cpu run eagerly") == 1
+    assert json.loads((out / "plan.json").read_text())["workload"]["weight_dtype"] == "fp32"
+    assert main(["train", "--profile", "tiny-flux2", "--dataset", str(DATASET), "--devices", "cpu", "--steps", "1",
+                 "--sample-every", "0", "--base-compute", "fp8", "--out", str(tmp_path / "fp8")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "fp8" in err and "Traceback" not in err
+    assert load_config("tiny-flux2", overrides=dict(base_compute="int8")).workload().weight_dtype == "fp8"

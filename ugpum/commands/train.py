@@ -51,6 +51,10 @@ def add_train_parser(sub) -> None:
     p.add_argument("--stand-in-encoders", action="store_true",
                    help="fixed random encoders instead of a VAE/text encoder (benchmarks on random weights)")
     p.add_argument("--sample-every", type=int, help="render a sample every N steps (0: never)")
+    p.add_argument("--compile", choices=["auto", "on", "off"],
+                   help="compiled blocks (default auto: on CUDA GPUs with Triton; says once why not elsewhere)")
+    p.add_argument("--base-compute", choices=["bf16", "fp8", "int8"],
+                   help="the frozen base's matmuls (default bf16; fp8 on Ada/Hopper/Blackwell, int8 on Ampere)")
     # past one machine (README "Past one machine"): under torchrun, one pipeline stage per rank
     p.add_argument("--distributed", action="store_true",
                    help="run as one rank of a torchrun job on torch.distributed.pipelining (N ranks = stages x "
@@ -66,7 +70,7 @@ def config_from_args(args) -> TrainConfig:
                  "grad_accum": args.grad_accum, "schedule": args.schedule,
                  "devices": args.devices.split(",") if args.devices else None,
                  "stand_in_encoders": True if args.stand_in_encoders else None,
-                 "sample_every": args.sample_every}
+                 "sample_every": args.sample_every, "compile": args.compile, "base_compute": args.base_compute}
     cfg = load_config(args.profile or "", args.config or "", overrides)
     if args.model:
         found = recognise(args.model)[0].id

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,6 +14,63 @@ from .flow import TIMESTEP_METHODS
 
 class ConfigError(ValueError):
     pass
+
+
+MAX_RESOLUTION = 4096     # 16.8 MP per image: four times FLUX.2's 1024² and more than any preset trains at
+MAX_FRAMES = 257          # Wan 2.1 makes 81-frame clips; the Partition Planner's frames input stops at 257
+MAX_RANK = 1024
+MAX_SEED = 2**63 - 1      # torch.Generator's seed range
+# (setting, lowest, highest, what it is) for whole numbers and for numbers
+_WHOLE_RANGES = (
+    ("frame_stride", 1, 64, "take every Nth frame of a clip"),
+    ("repeats", 1, 10_000, "times each image is used per epoch"),
+    ("steps", 1, 10_000_000, "optimizer steps"),
+    ("batch", 1, 256, "samples per micro-batch"),
+    ("grad_accum", 1, 4096, "micro-batches per optimizer step"),
+    ("rank", 1, MAX_RANK, "the LoRA's rank"),
+    ("warmup_steps", 0, 10_000_000, "steps of linear warmup"),
+    ("seed", 0, MAX_SEED, "any whole number"),
+    ("save_every", 0, 10_000_000, "steps between checkpoints; 0: by time only"),
+    ("sample_every", 0, 10_000_000, "steps between samples; 0: none"),
+    ("sample_steps", 0, 1000, "sampling steps; 0: the model's default"),
+    ("sample_seed", 0, MAX_SEED, "any whole number"),
+)
+_LIST_EXAMPLES = {"devices": '["auto"], ["cuda:0", "cuda:1"] or ["cpu"]',
+                  "targets": '["img_attn", "txt_attn"] (substrings of layer paths)'}
+_NUMBER_RANGES = (
+    ("weight_decay", 0.0, 10.0, "AdamW's decoupled weight decay"),
+    ("max_grad_norm", 0.0, 1e6, "0 disables clipping"),
+    ("save_every_minutes", 0.0, 1e6, "0: no timed checkpoints"),
+)
+
+
+def _type_problem(value, annotation: str) -> str:
+    """'' when `value` fits the dataclass field's annotation, else what it must be (in words)."""
+    annotation = str(annotation).replace(" ", "")
+    if annotation.endswith("|None") or annotation.startswith("None|"):
+        if value is None:
+            return ""
+        inner = _type_problem(value, annotation.replace("|None", "").replace("None|", ""))
+        return inner and inner + ", or unset"
+    if annotation == "bool":
+        return "" if isinstance(value, bool) else "true or false"
+    if annotation == "int":
+        return "" if isinstance(value, int) and not isinstance(value, bool) else "a whole number"
+    if annotation == "float":
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        return "" if number and math.isfinite(value) else "a finite number"
+    if annotation == "str":
+        return "" if isinstance(value, str) else "text"
+    if annotation == "list[str]":
+        ok = isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value)
+        return "" if ok else 'a list of text, such as ["a", "b"]'
+    return ""                              # a type this check does not know: the field's own code checks it
+
+
+def _smallest_linear(spec) -> int:
+    """The smallest in/out size of the layers a LoRA adapts on this model (a larger rank adds nothing)."""
+    sizes = [min(lin.in_features, lin.out_features) for block in spec.blocks for lin in block.linears]
+    return min(sizes) if sizes else MAX_RANK
 
 
 @dataclass
@@ -64,44 +122,65 @@ class TrainConfig:
     cache_dir: str = ""                   # latents/text cache; empty: <out>/cache
     stand_in_encoders: bool = False       # fixed random encoders instead of a VAE/text encoder
                                           # (tiny models, benchmarks on random weights)
+    compile: str = "auto"                 # compiled blocks (ugpum/compile.py): auto (CUDA with Triton) | on | off
+    base_compute: str = "bf16"            # the frozen base's matmuls: bf16 | fp8 | int8 (ugpum/base_compute.py)
 
     def validate(self) -> "TrainConfig":
+        """Every setting's type, then its range (against the model where it matters), as one sentence
+        naming the setting; the same for the command line, a TOML config and the nodes."""
+        for f in dataclasses.fields(self):
+            problem = _type_problem(getattr(self, f.name), f.type)
+            if problem and f.name in _LIST_EXAMPLES:
+                problem = f"a list of text such as {_LIST_EXAMPLES[f.name]}"
+            if problem:
+                raise ConfigError(f"setting '{f.name}' = {getattr(self, f.name)!r}: must be {problem}")
+
         def need(ok: bool, name: str, what: str):
             if not ok:
                 raise ConfigError(f"setting '{name}' = {getattr(self, name)!r}: {what}")
         need(self.model in model_ids(), "model", f"unknown model; known: {', '.join(model_ids())}")
-        need(self.resolution >= 16 and self.resolution % 16 == 0, "resolution", "must be a multiple of 16")
-        frames_error = get_spec(self.model).frames_error(self.frames)
+        spec = get_spec(self.model)
+        need(64 <= self.resolution <= MAX_RESOLUTION and self.resolution % 16 == 0, "resolution",
+             f"must be a multiple of 16 from 64 to {MAX_RESOLUTION} pixels (the side of a square training "
+             "image; 1024 for FLUX.2, 640 for Wan at 480p)")
+        frames_error = spec.frames_error(self.frames)
         need(not frames_error, "frames", frames_error)
-        need(self.frame_stride >= 1, "frame_stride", "must be at least 1")
-        for name in ("repeats", "steps", "batch", "grad_accum", "rank"):
-            need(getattr(self, name) >= 1, name, "must be at least 1")
-        for name in ("warmup_steps", "save_every", "save_every_minutes", "sample_every", "sample_steps",
-                     "max_grad_norm"):
-            need(getattr(self, name) >= 0, name, "must not be negative")
+        need(self.frames <= MAX_FRAMES, "frames", f"at most {MAX_FRAMES} (Wan 2.1 makes 81-frame clips)")
+        for name, low, high, what in _WHOLE_RANGES:
+            need(low <= getattr(self, name) <= high, name, f"must be from {low} to {high:,} ({what})")
+        need(self.rank <= _smallest_linear(spec), "rank",
+             f"must be at most {_smallest_linear(spec)}, the smallest layer a LoRA on {spec.id} adapts")
+        for name, low, high, what in _NUMBER_RANGES:
+            need(low <= getattr(self, name) <= high, name, f"must be from {low:g} to {high:g} ({what})")
         need(0 <= self.caption_dropout < 1, "caption_dropout", "must be in [0, 1)")
-        need(self.lr > 0, "lr", "must be positive")
-        need(self.alpha > 0, "alpha", "must be positive")
+        need(0 < self.lr <= 1, "lr", "must be in (0, 1] (1e-4 is usual for a LoRA)")
+        need(0 < self.alpha <= 4 * MAX_RANK, "alpha", f"must be in (0, {4 * MAX_RANK}] (usually the rank)")
+        need(0 < self.shift <= 100, "shift", "must be in (0, 100] (Wan trains at 3)")
         need(self.lr_schedule in ("constant", "cosine"), "lr_schedule", "constant or cosine")
         need(self.optimizer in ("adamw", "adamw8bit"), "optimizer", "adamw or adamw8bit")
         need(self.timesteps in ("auto", *TIMESTEP_METHODS), "timesteps", "auto, " + ", ".join(TIMESTEP_METHODS))
         need(self.weighting in ("none", "sigma_sqrt", "cosmap"), "weighting", "none, sigma_sqrt or cosmap")
         need(self.weight_dtype in TRAINING_DTYPES, "weight_dtype", ", ".join(TRAINING_DTYPES))
-        number = isinstance(self.guidance, (int, float)) and not isinstance(self.guidance, bool)
-        need(self.guidance is None or (number and self.guidance >= 0), "guidance",
-             "a number >= 0 (training default 1.0), or leave it unset")
-        number = isinstance(self.sample_guidance, (int, float)) and not isinstance(self.sample_guidance, bool)
-        need(self.sample_guidance is None or (number and self.sample_guidance >= 0), "sample_guidance",
-             "a number >= 0 (FLUX.2 dev's sampling default is 4.0), or leave it unset")
+        need(self.guidance is None or 0 <= self.guidance <= 100, "guidance",
+             "a number from 0 to 100 (training default 1.0), or leave it unset")
+        need(self.sample_guidance is None or 0 <= self.sample_guidance <= 100, "sample_guidance",
+             "a number from 0 to 100 (FLUX.2 dev's sampling default is 4.0), or leave it unset")
         need(self.schedule in ("auto", "sequential", "gpipe", "1f1b"), "schedule", "auto, sequential, gpipe or 1f1b")
+        need(bool(self.devices) and all(d.strip() for d in self.devices), "devices",
+             'a list of devices such as ["auto"], ["cuda:0", "cuda:1"] or ["cpu"]')
+        need(all(t.strip() for t in self.targets), "targets", "names of layers (substrings of their paths), no empty ones")
         need(bool(self.output_name) and "/" not in self.output_name and "\\" not in self.output_name
              and not self.output_name.startswith("."), "output_name", "a plain file name, no folders")
+        need(self.compile in ("auto", "on", "off"), "compile", "auto, on or off")
+        need(self.base_compute in ("bf16", "fp8", "int8"), "base_compute", "bf16, fp8 or int8")
         return self
 
     def workload(self) -> Workload:
-        """One step's shape, as the planner sees it (text at ComfyUI's padded 512 tokens)."""
+        """One step's shape, as the planner sees it (text at ComfyUI's padded 512 tokens). An 8-bit
+        base_compute holds the base weights at 1 byte each on the GPUs, as fp8 weights are."""
+        held = "fp8" if self.base_compute != "bf16" else self.weight_dtype
         return Workload(width=self.resolution, height=self.resolution, frames=self.frames, batch=self.batch,
-                        rank=self.rank, checkpointing=self.checkpointing, weight_dtype=self.weight_dtype)
+                        rank=self.rank, checkpointing=self.checkpointing, weight_dtype=held)
 
 
 # Built-in profiles: the settings a newcomer starts from.
@@ -148,10 +227,14 @@ def load_config(profile: str = "", toml_file: str | Path = "", overrides: dict |
     if toml_file:
         path = Path(toml_file)
         try:
-            data = tomllib.loads(path.read_text())
-        except (OSError, tomllib.TOMLDecodeError) as e:
+            data = tomllib.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
             raise ConfigError(f"{path}: cannot read the config ({e})") from None
-        values.update(data.get("train", data))
+        table = data.get("train", data)
+        if not isinstance(table, dict):
+            raise ConfigError(f"{path}: [train] must be a table of settings (train.steps = 50, ...), "
+                              f"not {type(table).__name__}")
+        values.update(table)
     values.update({k: v for k, v in (overrides or {}).items() if v is not None})
     known = {f.name for f in dataclasses.fields(TrainConfig)}
     unknown = sorted(set(values) - known)

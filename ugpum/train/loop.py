@@ -18,7 +18,9 @@ import torch
 
 from ..arch import get_spec
 from ..formats.atomic import atomic_path, write_json_atomic
+from ..base_compute import use_8bit_base
 from ..checkpointing import checkpoint_blocks
+from ..compile import compile_blocks, compile_stats
 from ..devices import resolve_devices
 from ..dtypes import TORCH_DTYPES
 from ..inplace_guard import guard_inplace_residuals
@@ -215,23 +217,34 @@ def plan_for(cfg: TrainConfig) -> Plan:
                          grad_accum=cfg.grad_accum, schedule=cfg.schedule)
 
 
-def prepare_model(cfg: TrainConfig, spec, plan: Plan, model, key_prefix: str = ""):
-    """Place the DiT by the plan (streaming it from its file when built on meta), make it safe to
-    differentiate, checkpoint its blocks and attach the LoRA."""
+def prepare_model(cfg: TrainConfig, spec, plan: Plan, model, key_prefix: str = "", log=print):
+    """Place the DiT by the plan (streaming it from its file when built on meta), attach the LoRA,
+    make it safe to differentiate, run its frozen base in `base_compute`, compile its blocks
+    (`compile`) and checkpoint them (compiled first: checkpointing wraps the compiled forward)."""
     dtype = TORCH_DTYPES[cfg.weight_dtype]
+    if cfg.base_compute != "bf16" and plan.offloaded_blocks:
+        raise TrainingError(f"base_compute = {cfg.base_compute} does not work with block swap yet (this plan swaps "
+                            f"{len(plan.offloaded_blocks)} blocks); use base_compute = bf16, or more GPU memory")
     on_meta = any(p.is_meta for p in model.parameters())     # streamed from its file: dropped after
     placement = place_by_plan(model, plan, spec.tail_modules, cfg.model_file, key_prefix, dtype)
     block_paths = [b.path for b in spec.blocks]
+    linears = [b.linears for b in spec.blocks]
+    lora = attach_lora(model, lora_targets(block_paths, linears, tuple(cfg.targets)), cfg.rank, cfg.alpha,
+                       seed=cfg.seed)
+    undo_8bit = use_8bit_base(model, lora_targets(block_paths, linears), cfg.base_compute, log,
+                              keep="none" if on_meta else "cpu")   # streamed from its file: no copy to keep
     guards = guard_inplace_residuals(model, include_rms=False)
+    undo_compile = compile_blocks(model, block_paths, cfg.compile, log)
     undo_ckpt = checkpoint_blocks(model, block_paths) if cfg.checkpointing else (lambda: None)
-    targets = lora_targets(block_paths, [b.linears for b in spec.blocks], tuple(cfg.targets))
-    lora = attach_lora(model, targets, cfg.rank, cfg.alpha, seed=cfg.seed)
 
     def release():
-        lora.remove()
         undo_ckpt()
+        undo_compile()
         for g in guards:
             g.remove()
+        lora.remove()
+        if not on_meta:                  # (a model streamed from its file is dropped below instead)
+            undo_8bit()
         placement.undo("meta" if on_meta else None)
     return model, lora, placement.layout, release
 
@@ -373,7 +386,7 @@ def train(cfg: TrainConfig, out: str | Path, model: torch.nn.Module, encoders: E
     log(plan.verdict)
     if cfg.guidance is not None and not spec.guidance:
         log(f"note: setting 'guidance' = {cfg.guidance} is ignored: {spec.id} has no guidance embedding")
-    model, lora, layout, release = prepare_model(cfg, spec, plan, model, key_prefix)
+    model, lora, layout, release = prepare_model(cfg, spec, plan, model, key_prefix, log)
     try:
         return _steps(cfg, spec, out, model, lora, layout, plan, items, latents, contexts, data_hash, identity,
                       checkpoint, start, cuda_devices, encoders, prompt if cfg.sample_every else None,
@@ -467,6 +480,8 @@ def _steps(cfg, spec, out, model, lora, layout, plan, items, latents, contexts, 
                     f.write(json.dumps({"step": step, "loss": loss, "lr": optimizer.param_groups[0]["lr"],
                                         "seconds": round(time.perf_counter() - t0, 4)}) + "\n")
                 progress.update(step, loss)
+                if step == start + 1 and compile_stats().graphs:      # what the first step compiled
+                    log(compile_stats().line())
                 if on_step:
                     on_step(step, cfg.steps, loss)
                 due = (cfg.save_every and step % cfg.save_every == 0) or \
