@@ -4,10 +4,14 @@ First the stage modules alone, in one process: a chain of stages of ComfyUI's ti
 gives the model's own loss and LoRA gradients. Then real torchrun jobs (`python -m
 torch.distributed.run ... -m ugpum train ... --distributed`): the LoRA after a few steps equals the
 single-process `python -m ugpum train` run with the same global batch (relative difference < 1e-6,
-fp32), for 2 ranks (2 stages) and 4 ranks (2 stages x 2 replicas), each schedule; a SIGTERM to one
-rank ends every rank with one sentence and a checkpoint that resumes exactly, with another number
-of replicas.
+fp32), and so do the logged losses and validation losses, for 2 ranks (2 stages) and 4 ranks (2
+stages x 2 replicas), each schedule, the two-stages-per-rank ones (interleaved 1F1B, zero bubble)
+included; a run resumes exactly with another number of replicas (2 -> 1 and, after a SIGTERM to one
+rank that ends every rank with one sentence and a checkpoint, 1 -> 2).
 """
+import argparse
+import contextlib
+import io
 import json
 import os
 import signal
@@ -142,12 +146,64 @@ def torchrun(ranks: int, *args: str, check: bool = True, **popen) -> subprocess.
     return done
 
 
+# The two-stages-per-rank schedules are values of the `schedule` setting. Where TrainConfig's
+# validation and `train --schedule` do not list them yet, the job runs through this script: the
+# CLI's own parser and config, the setting set on the validated config, then the CLI's distributed
+# branch (what `python -m ugpum train ... --distributed` runs).
+SET_SCHEDULE = """
+import argparse, sys
+from ugpum.commands.train import add_train_parser, build_encoders, build_model, config_from_args
+from ugpum.commands.train_distributed import run_train_distributed
+parser = argparse.ArgumentParser()
+add_train_parser(parser.add_subparsers())
+args = parser.parse_args(["train", *sys.argv[2:]])
+cfg = config_from_args(args)
+cfg.schedule = sys.argv[1]
+sys.exit(run_train_distributed(args, cfg, args.resume or args.out, None, build_model, build_encoders))
+"""
+
+
+def cli_takes(schedule: str) -> bool:
+    from ugpum.commands.train import add_train_parser
+    from ugpum.train.config import ConfigError, TrainConfig
+    parser = argparse.ArgumentParser()
+    add_train_parser(parser.add_subparsers())
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):                 # argparse's refusal, unprinted
+            parser.parse_args(["train", "--schedule", schedule])
+        TrainConfig(schedule=schedule).validate()
+    except (SystemExit, ConfigError):
+        return False
+    return True
+
+
+def torchrun_schedule(tmp_path: Path, ranks: int, schedule: str, *args: str) -> subprocess.CompletedProcess:
+    """`torchrun ... -m ugpum train ... --schedule SCHEDULE --distributed` (see SET_SCHEDULE)."""
+    if cli_takes(schedule):
+        return torchrun(ranks, *args, "--schedule", schedule)
+    script = tmp_path / "set_schedule.py"
+    script.write_text(SET_SCHEDULE)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", str(script),
+           schedule, *args, "--distributed"]
+    done = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    return done
+
+
 def single_process(out: Path, *args: str) -> Path:
-    """`python -m ugpum train` itself (one thread, as each rank runs), in a subprocess."""
+    """`python -m ugpum train` itself (one thread, as each rank runs), in a subprocess; its output
+    beside the folder, in <out>.log."""
     done = subprocess.run([sys.executable, "-m", "ugpum", "train", *args, "--out", str(out)], cwd=ROOT, env=_env(),
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
+    out.with_suffix(".log").write_text(done.stdout)
     return out / "ugpum_lora.safetensors"
+
+
+def validation_lines(text: str) -> list[str]:
+    lines = [line for line in text.splitlines() if line.startswith("validation loss")]
+    assert len(lines) == 2, text[-3000:]
+    return lines
 
 
 def assert_same_lora(a: Path, b: Path, tolerance: float = 1e-6) -> float:
@@ -187,13 +243,62 @@ def test_two_stages_on_two_ranks_train_the_single_process_lora(tmp_path):
     run = torchrun(2, *args, "--out", str(tmp_path / "two"))
     assert "blocks [0, 2), [2, 5), gloo" in run.stdout
     assert_same_lora(reference, tmp_path / "two" / "ugpum_lora.safetensors")
-    a, b = ([json.loads(line) for line in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
-            for d in ("one", "two"))
-    assert [m["step"] for m in b] == [1, 2, 3]
-    assert all(abs(x["loss"] - y["loss"]) < 1e-6 * abs(x["loss"]) for x, y in zip(a, b))
+    same_records(tmp_path / "one", tmp_path / "two", steps=3)
+    assert validation_lines(run.stdout) == validation_lines((tmp_path / "one.log").read_text())
     assert (tmp_path / "two" / "checkpoints" / "step_000003" / "optimizer.safetensors").is_file()
     plan = json.loads((tmp_path / "two" / "plan.json").read_text())
-    assert plan["distributed"] == {"stages": 2, "replicas": 1, "ranks": 2, "bounds": [[0, 2], [2, 5]]}
+    assert plan["distributed"] == {"stages": 2, "stages_per_rank": 1, "replicas": 1, "ranks": 2,
+                                   "bounds": [[0, 2], [2, 5]]}
+
+
+def same_records(one: Path, many: Path, steps: int) -> None:
+    """metrics.jsonl of the distributed run: the single process's kinds of records, one per step, the
+    same losses (< 1e-6) and learning rates."""
+    a, b = ([json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()] for d in (one, many))
+    assert [m["step"] for m in b] == list(range(1, steps + 1)) == [m["step"] for m in a]
+    assert all(x.keys() == y.keys() and x["lr"] == y["lr"] for x, y in zip(a, b))
+    assert all(abs(x["loss"] - y["loss"]) < 1e-6 * abs(x["loss"]) for x, y in zip(a, b))
+
+
+@pytest.mark.slow
+def test_interleaved_1f1b_holds_two_stages_per_rank_and_trains_the_single_process_lora(tmp_path):
+    """2 ranks of 2 stages each (rank 0: stages 0 and 2, rank 1: 1 and 3), buckets of two shapes in
+    one step (runs of 1 to 3 micro-batches, each its own interleaved schedule): the LoRA, losses and
+    validation losses of the single process; no samples, said once."""
+    data = two_shapes(tmp_path)
+    args = common(data, "tiny-flux2", steps=3, grad_accum=3, schedule="1f1b")
+    reference = single_process(tmp_path / "one", *args)
+    run = torchrun_schedule(tmp_path, 2, "interleaved-1f1b", *args, "--out", str(tmp_path / "two"),
+                            "--sample-every", "2")
+    assert "2 ranks of 2 stages (rank 0: 0 and 2; rank 1: 1 and 3)" in run.stdout, run.stdout[-3000:]
+    assert "blocks [0, 1), [1, 2), [2, 3), [3, 5), gloo" in run.stdout
+    worst = assert_same_lora(reference, tmp_path / "two" / "ugpum_lora.safetensors")
+    print(f"interleaved-1f1b: relative difference {worst}")
+    same_records(tmp_path / "one", tmp_path / "two", steps=3)
+    assert validation_lines(run.stdout) == validation_lines((tmp_path / "one.log").read_text())
+    assert run.stdout.count("samples: a distributed run renders none (sample_every = 2 is ignored)") == 1
+    assert not (tmp_path / "two" / "samples").exists()
+    plan = json.loads((tmp_path / "two" / "plan.json").read_text())
+    assert plan["distributed"]["stages"] == 4 and plan["distributed"]["stages_per_rank"] == 2
+
+
+@pytest.mark.slow
+def test_zero_bubble_on_two_replicas_then_resumed_on_one_trains_the_single_process_lora(tmp_path):
+    """Zero bubble (ZB-V: rank 0 holds stages 0 and 3, rank 1 stages 1 and 2; each backward split into
+    the input's and the LoRA's part): 2 steps on 2 replicas (4 ranks), then resumed on 1 replica (2
+    ranks) to step 4: the uninterrupted single process's LoRA, losses and validation losses."""
+    args = common(DATASET, "tiny-flux2", steps=2, grad_accum=4, schedule="1f1b")
+    out = tmp_path / "many"
+    first = torchrun_schedule(tmp_path, 4, "zero-bubble", *args, "--data-parallel", "2", "--out", str(out))
+    assert "2 ranks of 2 stages (rank 0: 0 and 3; rank 1: 1 and 2) x 2 replica(s)" in first.stdout
+    more = common(DATASET, "tiny-flux2", steps=4, grad_accum=4, schedule="1f1b")
+    second = torchrun_schedule(tmp_path, 2, "zero-bubble", *more, "--resume", str(out))
+    assert f"resumed from {out / 'checkpoints' / 'step_000002'} at step 2" in second.stdout
+    reference = single_process(tmp_path / "one", *more)
+    print(f"zero-bubble, resumed 2 -> 1 replicas: relative difference "
+          f"{assert_same_lora(reference, out / 'ugpum_lora.safetensors')}")
+    same_records(tmp_path / "one", out, steps=4)
+    assert validation_lines(second.stdout)[1] == validation_lines((tmp_path / "one.log").read_text())[1]
 
 
 @pytest.mark.slow
@@ -291,3 +396,41 @@ def test_plan_forecasts_a_distributed_run_and_says_when_one_process_is_better(ca
     assert json.loads(capsys.readouterr().out)["verdict"].startswith("The single process is the better choice")
     assert main(base + ["--nodes", "2", "--grad-accum", "3"]) == 2                 # 3 micro-batches, 2 replicas
     assert "multiple of the 2 replicas" in capsys.readouterr().err
+
+
+def test_a_rank_takes_nccl_and_its_own_gpu_where_cuda_is_here_and_gloo_on_the_cpu():
+    """The choice `init_distributed` makes, from what torchrun and torch say (no GPU needed)."""
+    from ugpum.distributed.run import process_group_choice
+    from ugpum.train.loop import TrainingError
+    assert process_group_choice(True, 0) == ("nccl", "cuda:0")
+    assert process_group_choice(True, 3, ["auto"], 4) == ("nccl", "cuda:3")              # cuda:LOCAL_RANK
+    assert process_group_choice(True, 1, ["cuda:2", "cuda:3"], 2) == ("nccl", "cuda:3")  # the GPUs named
+    assert process_group_choice(False, 1, ["auto"], 2) == ("gloo", "cpu")                # no CUDA here
+    assert process_group_choice(True, 1, ["cpu"], 2) == ("gloo", "cpu")                  # --devices cpu
+    with pytest.raises(TrainingError, match="names 1 GPU"):
+        process_group_choice(True, 1, ["cuda:0"], 2)
+
+
+def test_two_stages_per_rank_are_placed_planned_and_refused_in_one_process():
+    from ugpum.arch import Workload, get_spec
+    from ugpum.devices import resolve_devices
+    from ugpum.distributed.forecast import forecast_distributed
+    from ugpum.distributed.schedules import rank_stages
+    from ugpum.train.config import load_config
+    from ugpum.train.loop import TrainingError, plan_for
+    assert [rank_stages("interleaved-1f1b", r, 4) for r in range(4)] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert [rank_stages("zero-bubble", r, 4) for r in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
+    assert [rank_stages("1f1b", r, 2) for r in range(2)] == [[0], [1]]
+    spec = get_spec("flux2-klein-9b")
+    gpus = resolve_devices(["rtx4090", "rtx4090"], spec, probe=False)
+    w = Workload(width=1024, height=1024, frames=1, batch=1, rank=16, checkpointing=True, weight_dtype="bf16")
+    one = forecast_distributed(spec, gpus, w, 4, nodes=2)
+    two = forecast_distributed(spec, gpus, w, 4, nodes=2, schedule="zero-bubble")
+    assert (two.stages, two.stages_per_rank, two.rank_stages) == (2, 2, [[0, 3], [1, 2]])
+    assert [s.blocks for s in two.plan.stages] == [[0, 8], [8, 16], [16, 24], [24, 32]]
+    assert two.pipeline_s < one.pipeline_s                           # the smaller bubble
+    assert sum(two.rank_gib) == pytest.approx(sum(one.rank_gib), rel=0.1)
+    cfg = load_config("tiny-flux2", overrides={"devices": ["cpu"]})
+    cfg.schedule = "zero-bubble"
+    with pytest.raises(TrainingError, match="two pipeline stages on each rank of a distributed run"):
+        plan_for(cfg)

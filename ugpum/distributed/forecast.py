@@ -6,40 +6,58 @@ The layout is the one `ugpum.distributed.run` uses: `nodes` machines with the sa
 nodes x GPUs, R replicas of a pipeline of ranks / R stages; a replica's stages are neighbouring
 ranks (one machine while the pipeline is no longer than a machine's GPUs), so the hidden state
 crosses the network only when a pipeline spans machines, while the replicas of a stage (one
-all-reduce of its LoRA gradients per step) sit on different machines.
+all-reduce of its LoRA gradients per step) sit on different machines. With `interleaved-1f1b` or
+`zero-bubble` each rank holds two stages (`schedules.rank_stages`), each planned on half its GPU.
 
 Model, deliberately simple (DESIGN §5): the pipeline's step from the single-process planner for the
-micro-batches one replica runs; plus, serialised (no overlap assumed), the hidden state and its
-gradient crossing each machine boundary of a pipeline per micro-batch, and the sum of the LoRA's
-fp32 gradients over the replicas in micro-batch order (`run.GradientsInOrder`: R - 1 hops from
-replica to replica, then a broadcast; about R times the LoRA's bytes through one machine's link, all
-stages sharing it), over the network when replicas span machines (else over the GPUs' link).
+micro-batches one replica runs (two stages per rank: (m + (P - 1) / 2) times the busiest rank's
+time per micro-batch, the interleaved schedules' smaller bubble); plus, serialised (no overlap
+assumed), the hidden state and its gradient crossing each machine boundary of a pipeline per
+micro-batch, and the sum of the LoRA's fp32 gradients over the replicas in micro-batch order
+(`run.GradientsInOrder`: R - 1 hops from replica to replica, then a broadcast; about R times the
+LoRA's bytes through one machine's link, all stages sharing it), over the network when replicas
+span machines (else over the GPUs' link).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
-from .. import cost
 from ..arch.base import WEIGHT_BYTES
 from ..devices import Device, gpu_to_gpu_gbps
 from ..plan import GIB, MIB, Plan, PlanError, plan_training
+from .schedules import rank_stages, schedule_kind, stages_per_rank
 
 DEFAULT_NETWORK_GBPS = 10.0          # Gbit/s: a 10 GbE LAN between workstations
 GBIT = 1e9 / 8                       # bytes per second in one Gbit/s
 
 
+def stage_slots(devices: list[Device], schedule: str) -> list[Device]:
+    """One device per pipeline stage, in the model's order, for the pipeline's ranks `devices`: a
+    schedule with V stages per rank plans each of a rank's stages with a V-th of its GPU's memory
+    (at its full speed: a rank runs its stages one after the other)."""
+    v, ranks = stages_per_rank(schedule), len(devices)
+    if v == 1:
+        return list(devices)
+    owner = {s: r for r in range(ranks) for s in rank_stages(schedule, r, ranks)}
+    return [dataclasses.replace(devices[owner[s]], total_bytes=devices[owner[s]].total_bytes // v,
+                                free_bytes=devices[owner[s]].free_bytes // v) for s in range(ranks * v)]
+
+
 def distributed_plan(spec, devices: list[Device], w, per_replica: int, schedule: str = "1f1b") -> Plan:
-    """The planner's split of `spec` over the pipeline's `devices` for `per_replica` micro-batches
-    per step; an even split by blocks where the planner would leave a stage empty or swap blocks
-    (each rank must hold its blocks: there is no swap tier in a distributed run)."""
-    schedule = "gpipe" if schedule in ("gpipe", "sequential") else "1f1b"
-    n = len(devices)
+    """The planner's split of `spec` over the pipeline's stages (`stage_slots` of its ranks'
+    `devices`) for `per_replica` micro-batches per step; an even split by blocks where the planner
+    would leave a stage empty or swap blocks (each rank must hold its blocks: there is no swap tier
+    in a distributed run)."""
+    slots = stage_slots(devices, schedule)
+    kind = "gpipe" if schedule_kind(schedule) == "gpipe" else "1f1b"     # what the planner models
+    n = len(slots)
     if len(spec.blocks) < n:
         raise PlanError(f"{spec.id} has {len(spec.blocks)} blocks: too few for {n} pipeline stages")
-    plan = plan_training(spec, devices, w, grad_accum=per_replica, schedule=schedule)
+    plan = plan_training(spec, slots, w, grad_accum=per_replica, schedule=kind)
     if len(plan.stages) != n or any(b <= a for a, b in (s.blocks for s in plan.stages)) or plan.offloaded_blocks:
         cuts = [round(i * len(spec.blocks) / n) for i in range(n + 1)]
-        plan = plan_training(spec, devices, w, grad_accum=per_replica, schedule=schedule,
+        plan = plan_training(spec, slots, w, grad_accum=per_replica, schedule=kind,
                              split=[cuts[i + 1] - cuts[i] for i in range(n)])
     return plan
 
@@ -58,10 +76,10 @@ class DistributedForecast:
     model: str
     nodes: int
     gpus_per_node: int
-    stages: int
+    stages: int                           # ranks of one pipeline (replica)
     replicas: int
     grad_accum: int
-    rank_gib: list[float]                 # per stage (every replica alike)
+    rank_gib: list[float]                 # per rank of a pipeline (every replica alike)
     budget_gib: list[float]
     pipeline_s: float                     # one replica's pipelined step (planner)
     network_s: float                      # hidden state crossing machines, per step
@@ -72,6 +90,9 @@ class DistributedForecast:
     network_gbps: float
     verdict: str
     plan: Plan = field(repr=False, default=None)
+    stages_per_rank: int = 1              # 2 for interleaved-1f1b and zero-bubble
+    rank_stages: list[list[int]] = field(default_factory=list)   # the plan's stages each rank holds
+    schedule: str = "1f1b"
 
     def to_json(self) -> dict:
         out = {k: v for k, v in self.__dict__.items() if k != "plan"}
@@ -96,10 +117,13 @@ def forecast_distributed(spec, node_devices: list[Device], w, grad_accum: int, n
     devices = [node_devices[i % g] for i in range(stages)]
     plan = distributed_plan(spec, devices, w, per_replica, schedule)
     extra = every_stage_params(spec) * WEIGHT_BYTES[w.weight_dtype]
-    rank_gib = [s.forecast_gib + (extra / GIB if i else 0.0) for i, s in enumerate(plan.stages)]
-    budget_gib = [s.budget_gib for s in plan.stages]
+    held = [rank_stages(schedule, r, stages) for r in range(stages)]
+    # a rank's stages share its GPU and its copy of the small embedders (which the first stage has anyway)
+    rank_gib = [sum(plan.stages[i].forecast_gib for i in mine) + (0.0 if 0 in mine else extra / GIB) for mine in held]
+    budget_gib = [sum(plan.stages[i].budget_gib for i in mine) for mine in held]
     # the hidden state (and its gradient) over each machine boundary inside one pipeline
-    crossings = (stages - 1) // g
+    owner = {i: r for r, mine in enumerate(held) for i in mine}
+    crossings = sum(owner[i] // g != owner[i + 1] // g for i in range(len(plan.stages) - 1))
     boundary = spec.boundary_bytes(w)
     network_s = per_replica * crossings * 2 * boundary / (network_gbps * GBIT)
     # all-reduce of the LoRA's fp32 gradients (all stages' groups share a machine's network link)
@@ -108,7 +132,11 @@ def forecast_distributed(spec, node_devices: list[Device], w, grad_accum: int, n
     across = replicas > 1 and nodes > 1
     link = network_gbps * GBIT if across else gpu_to_gpu_gbps(node_devices[0], node_devices[-1]) * 1e9
     allreduce_s = sent / link
-    step = plan.predicted_step_s + network_s + allreduce_s
+    pipeline_s = plan.predicted_step_s
+    if len(held[0]) > 1:      # interleaved: (m + (P - 1) / V) x the slowest rank's work per micro-batch
+        busiest = max(sum(plan.stages[i].seconds for i in mine) for mine in held)
+        pipeline_s = (per_replica + (stages - 1) / len(held[0])) * busiest
+    step = pipeline_s + network_s + allreduce_s
     try:
         single = plan_training(spec, node_devices, w, grad_accum=grad_accum, schedule="auto")
         single_s = single.predicted_step_s
@@ -116,8 +144,9 @@ def forecast_distributed(spec, node_devices: list[Device], w, grad_accum: int, n
         single_s = None
     over = [i for i, (m, b) in enumerate(zip(rank_gib, budget_gib)) if m > b]
     fc = DistributedForecast(spec.id, nodes, g, stages, replicas, grad_accum, [round(x, 2) for x in rank_gib],
-                             [round(x, 2) for x in budget_gib], plan.predicted_step_s, network_s, allreduce_s,
-                             sent / MIB, step, single_s, network_gbps, "", plan)
+                             [round(x, 2) for x in budget_gib], pipeline_s, network_s, allreduce_s,
+                             sent / MIB, step, single_s, network_gbps, "", plan, len(held[0]), held,
+                             schedule)
     fc.verdict = _verdict(fc, over)
     return fc
 
@@ -142,13 +171,15 @@ def _verdict(fc: DistributedForecast, over: list[int]) -> str:
 
 def format_distributed(fc: DistributedForecast) -> str:
     p = fc.plan
+    order = p.schedule if fc.stages_per_rank == 1 else f"{fc.schedule}, {fc.stages_per_rank} stages per rank"
     lines = [f"{fc.model}  distributed: {fc.nodes} machine(s) x {fc.gpus_per_node} GPU(s) = {fc.nodes * fc.gpus_per_node} "
              f"ranks: {fc.stages} stages x {fc.replicas} replica(s); grad-accum {fc.grad_accum} "
-             f"({fc.grad_accum // fc.replicas} per replica, {p.schedule})", ""]
-    header = f"{'stage (rank r*stages+s)':<26} {'blocks':>10} {'forecast / budget GiB per rank':>32}"
+             f"({fc.grad_accum // fc.replicas} per replica, {order})", ""]
+    header = f"{'pipeline rank (r*stages+s)':<26} {'blocks':>10} {'forecast / budget GiB per rank':>32}"
     lines += [header, "-" * len(header)]
-    for i, (s, m, b) in enumerate(zip(p.stages, fc.rank_gib, fc.budget_gib)):
-        lines.append(f"{f'{i}: {s.device}'[:26]:<26} {f'{s.blocks[0]}-{s.blocks[1] - 1}':>10} {m:>18.1f} / {b:<9.1f}")
+    for i, (mine, m, b) in enumerate(zip(fc.rank_stages, fc.rank_gib, fc.budget_gib)):
+        blocks = ", ".join(f"{p.stages[j].blocks[0]}-{p.stages[j].blocks[1] - 1}" for j in mine)
+        lines.append(f"{f'{i}: {p.stages[mine[0]].device}'[:26]:<26} {blocks:>10} {m:>18.1f} / {b:<9.1f}")
     lines += ["",
               f"step: {fc.pipeline_s:.2f} s pipeline + {fc.network_s:.3f} s hidden state between machines + "
               f"{fc.allreduce_s:.3f} s summing LoRA gradients over replicas ({fc.allreduce_mib:.0f} MiB, "

@@ -1,10 +1,12 @@
 """The training loop on `torch.distributed.pipelining`: the planner's stages on ranks (one stage per
-rank), `--data-parallel R` replicas of that pipeline, launched by torchrun.
+rank, or two with the `interleaved-1f1b` and `zero-bubble` schedules: `schedules.py`),
+`--data-parallel R` replicas of that pipeline, launched by torchrun.
 
-Ranks: world = stages x replicas; rank = replica x stages + stage, so the stages of one replica are
-neighbouring ranks (one machine, fast links: the hidden state crosses them every micro-batch) and
-the replicas of a stage are `stages` apart (the sum of its LoRA gradients, LoRA-sized, once per
-step, may cross machines). NCCL on GPUs (rank -> cuda:LOCAL_RANK), gloo on the CPU.
+Ranks: world = P x replicas, P ranks to a pipeline; rank = replica x P + pipeline rank, so the ranks
+of one replica are neighbours (one machine, fast links: the hidden state crosses them every
+micro-batch) and the replicas of a rank are P apart (the sum of its LoRA gradients, LoRA-sized, once
+per step, may cross machines). NCCL on GPUs (each rank on cuda:LOCAL_RANK, or the LOCAL_RANK-th GPU
+`devices` names), gloo on the CPU: `process_group_choice`.
 
 Rank 0 is the run's front: it alone reads the dataset, runs the encoders (through the feature
 cache), checks the output folder and a resume, writes plan.json, metrics.jsonl, checkpoints and the
@@ -15,15 +17,22 @@ DiT file (each rank streams its own blocks), not the dataset, encoders or output
 One step = the same global batch as the single-process run: micro-batches k = step x grad_accum ..
 + grad_accum - 1, replica r taking its consecutive share (grad_accum must divide by R); each
 micro-batch's noise and timesteps are drawn from (seed, k), as `ugpum.train.loop.micro_loss` draws
-them; the loss of each is divided by grad_accum; the replicas' gradients are summed in ascending
-micro-batch order (`GradientsInOrder`); clipping uses the norm over every stage; AdamW steps each
-stage's own adapters. So the float operations are the single process's: on the CPU the LoRA comes
-out bit for bit the same (the tests ask for a relative difference < 1e-6, fp32).
+them; the loss of each is divided by grad_accum; each micro-batch's LoRA gradient is kept apart as
+its backward ends (whatever order a schedule runs them in) and all are summed in ascending
+micro-batch order across the replicas (`GradientsInOrder`); clipping uses the norm over every
+stage; AdamW steps each stage's own adapters. So the float operations are the single process's: on
+the CPU the LoRA comes out bit for bit the same (the tests ask for a relative difference < 1e-6,
+fp32).
 
 Static shapes: a `PipelineStage` and its schedule are built per (item shape, text length, samples,
 micro-batches in the run) the first time they occur and reused; a step whose micro-batches come from
 buckets of several shapes runs one schedule per run of consecutive micro-batches of one shape, in
 ascending order (gradients accumulate in the single-process order).
+
+Validation: the single process's validation loss (`ugpum.train.loop.validation_inputs`: the same
+items, noise and timesteps) before the first step and after the last, through replica 0's stages
+(forward only, one input at a time, sent rank to rank), logged as the single process logs it.
+Preview samples are not rendered (the run log says so once): the model is spread over ranks.
 
 Stopping: Ctrl-C or SIGTERM on any rank sets a flag; at the end of the step every rank learns of it
 (a tiny all-reduce each step), rank 0 saves the checkpoint and the LoRA of the completed steps, and
@@ -45,6 +54,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
 from ..arch import get_spec
 from ..checkpointing import checkpoint_blocks
@@ -61,12 +72,11 @@ from ..train.flow import flow_loss, noisy, sample_timesteps, timestep_method
 from ..train.lora import LoraAdapter, LoraSet, lora_targets
 from ..train.loop import (MicroBatches, RunExists, TrainingError, clear_earlier_run, earlier_run, image_tokens,
                           load_items, lr_factor, make_optimizer, model_context, resume_point, run_identity,
-                          save_final_lora, training_guidance)
+                          save_final_lora, training_guidance, validation_inputs, validation_picks)
 from ..train.progress import Progress
 from .forecast import distributed_plan
+from .schedules import rank_stages, schedule_class, schedule_kind, stages_per_rank
 from .stages import StageRange, keep_only, stage_module, stage_ranges
-
-DIST_SCHEDULES = ("gpipe", "1f1b")
 
 
 class DistributedStop(KeyboardInterrupt):
@@ -86,25 +96,61 @@ class DistributedStop(KeyboardInterrupt):
 class Topology:
     rank: int
     world: int
-    stages: int
+    ranks: int                         # ranks of one pipeline (P)
     replicas: int
     device: torch.device
-    pipe_group: object = None          # this replica's stages
-    dp_group: object = None            # this stage's replicas (None with one replica)
+    schedule: str = "1f1b"             # the `schedule` setting: which stages a rank holds
+    pipe_group: object = None          # this replica's ranks
+    dp_group: object = None            # this pipeline rank's replicas (None with one replica)
     pipe_ranks: list[int] = field(default_factory=list)
 
     @property
-    def stage(self) -> int:
-        return self.rank % self.stages
+    def pipe_rank(self) -> int:
+        return self.rank % self.ranks
 
     @property
     def replica(self) -> int:
-        return self.rank // self.stages
+        return self.rank // self.ranks
+
+    @property
+    def n_stages(self) -> int:
+        """Pipeline stages of one replica: P x stages per rank."""
+        return self.ranks * stages_per_rank(self.schedule)
+
+    @property
+    def stage_ids(self) -> list[int]:
+        """The stages this rank holds, ascending."""
+        return rank_stages(self.schedule, self.pipe_rank, self.ranks)
+
+    def owner(self, stage: int) -> int:
+        """The global rank of this replica that holds `stage`."""
+        for r in range(self.ranks):
+            if stage in rank_stages(self.schedule, r, self.ranks):
+                return self.replica * self.ranks + r
+        raise ValueError(f"no rank holds stage {stage} of {self.n_stages}")
 
 
-def init_distributed(data_parallel: int = 1, cpu: bool | None = None) -> Topology:
-    """Join the process group torchrun describes (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR...):
-    NCCL with one GPU per rank where CUDA is here (and `cpu` is not asked), gloo on the CPU."""
+def process_group_choice(has_cuda: bool, local_rank: int, devices=("auto",), local_world: int = 1) -> tuple[str, str]:
+    """(backend, device) of one rank: NCCL and a GPU of its own where CUDA is here and `devices` do
+    not ask for the CPU: cuda:LOCAL_RANK, or the LOCAL_RANK-th of the GPUs `devices` names (--devices
+    cuda:2,cuda:3 for a machine's two ranks); gloo and the CPU otherwise. Pure: decided by its
+    arguments alone (`init_distributed` passes what torchrun and torch say)."""
+    devices = [d.strip() for d in devices]
+    if not has_cuda or all(d == "cpu" for d in devices):
+        return "gloo", "cpu"
+    named = [d for d in devices if d.startswith("cuda")]
+    if not named:                                              # auto, or GPUs described by name
+        return "nccl", f"cuda:{local_rank}"
+    if len(named) != local_world:
+        raise TrainingError(f"--devices {','.join(devices)} names {len(named)} GPU(s) for the {local_world} rank(s) "
+                            "torchrun starts on this machine: name one per rank, or use auto (rank i takes cuda:i)")
+    return "nccl", named[local_rank] if ":" in named[local_rank] else f"cuda:{local_rank}"
+
+
+def init_distributed(data_parallel: int = 1, cpu: bool | None = None, schedule: str = "1f1b",
+                     devices=("auto",)) -> Topology:
+    """Join the process group torchrun describes (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR...) with
+    the backend and device `process_group_choice` gives (`cpu`: gloo even where CUDA is here)."""
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         raise TrainingError("--distributed runs under torchrun: torchrun --standalone --nproc-per-node=N "
                             "-m ugpum train ... --distributed (N = stages x --data-parallel)")
@@ -112,29 +158,28 @@ def init_distributed(data_parallel: int = 1, cpu: bool | None = None) -> Topolog
     if data_parallel < 1 or world % data_parallel:
         raise TrainingError(f"--data-parallel {data_parallel}: torchrun started {world} ranks, not a multiple of "
                             f"{data_parallel} (ranks = stages x replicas)")
-    stages = world // data_parallel
-    if stages < 2:
+    ranks = world // data_parallel
+    if ranks < 2:
         raise TrainingError(f"{world} rank(s) with --data-parallel {data_parallel} leave one pipeline stage; "
                             "give torchrun at least 2 ranks per replica (or train without --distributed)")
-    use_cuda = torch.cuda.is_available() and not cpu
-    if use_cuda:
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    backend, name = process_group_choice(torch.cuda.is_available() and not cpu, int(os.environ.get("LOCAL_RANK", "0")),
+                                         devices, int(os.environ.get("LOCAL_WORLD_SIZE", str(world))))
+    device = torch.device(name)
+    if device.type == "cuda":
         torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if use_cuda else "gloo", device_id=device if use_cuda else None)
+        dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
     rank = dist.get_rank()
-    top = Topology(rank, world, stages, data_parallel, device)
+    top = Topology(rank, world, ranks, data_parallel, device, schedule)
     for r in range(data_parallel):                     # every rank creates every group, in one order
-        ranks = list(range(r * stages, (r + 1) * stages))
-        group = dist.new_group(ranks)
+        members = list(range(r * ranks, (r + 1) * ranks))
+        group = dist.new_group(members)
         if r == top.replica:
-            top.pipe_group, top.pipe_ranks = group, ranks
+            top.pipe_group, top.pipe_ranks = group, members
     if data_parallel > 1:
-        for s in range(stages):
-            group = dist.new_group(list(range(s, world, stages)))
-            if s == top.stage:
+        for s in range(ranks):
+            group = dist.new_group(list(range(s, world, ranks)))
+            if s == top.pipe_rank:
                 top.dp_group = group
     return top
 
@@ -143,17 +188,19 @@ def init_distributed(data_parallel: int = 1, cpu: bool | None = None) -> Topolog
 # what rank 0 prepares and hands to every rank
 # --------------------------------------------------------------------------------------------
 
-def split_for(cfg: TrainConfig, spec, stages: int, replicas: int, device: torch.device):
-    """(plan, block bounds per stage): the planner's split of `spec` over `stages` devices like this
-    rank's, for the micro-batches one replica runs per step; an even split (by blocks) when the
-    planner leaves a stage empty or swaps blocks (one rank per stage must hold its blocks)."""
-    if len(cfg.devices) == stages and "auto" not in cfg.devices:
+def split_for(cfg: TrainConfig, spec, top: Topology):
+    """(plan, block bounds per stage): the planner's split of `spec` over the pipeline's stages (on P
+    devices like this rank's, `stages_per_rank` stages on each), for the micro-batches one replica
+    runs per step; an even split (by blocks) when the planner leaves a stage empty or swaps blocks
+    (a rank must hold its blocks)."""
+    device = top.device
+    if len(cfg.devices) == top.ranks and "auto" not in cfg.devices:
         names = list(cfg.devices)
     else:
-        names = [str(device) if device.type == "cpu" else f"cuda:{device.index}"] * stages
+        names = [str(device) if device.type == "cpu" else f"cuda:{device.index}"] * top.ranks
     devices = resolve_devices(names, spec, training=True)
     try:
-        plan = distributed_plan(spec, devices, cfg.workload(), max(cfg.grad_accum // replicas, 1), cfg.schedule)
+        plan = distributed_plan(spec, devices, cfg.workload(), max(cfg.grad_accum // top.replicas, 1), cfg.schedule)
     except PlanError as e:
         raise TrainingError(str(e)) from None
     bounds = [tuple(s.blocks) for s in plan.stages]
@@ -191,9 +238,10 @@ def _prepare_on_rank0(cfg, spec, out: Path, make_encoders, resume: bool, overwri
         if release:
             release()
     log(f"features: {len(items)} items, cache {cache.hits} hit(s), {cache.misses} computed")
-    plan, bounds = split_for(cfg, spec, top.stages, top.replicas, top.device)
+    plan, bounds = split_for(cfg, spec, top)
     write_json_atomic(out / "plan.json", {**plan.to_json(), "distributed": {
-        "stages": top.stages, "replicas": top.replicas, "ranks": top.world, "bounds": bounds}})
+        "stages": top.n_stages, "stages_per_rank": stages_per_rank(cfg.schedule), "replicas": top.replicas,
+        "ranks": top.world, "bounds": bounds}})
     resumed = None
     if checkpoint is not None:
         lora, optimizer = full_lora(cfg, spec)
@@ -205,7 +253,7 @@ def _prepare_on_rank0(cfg, spec, out: Path, make_encoders, resume: bool, overwri
         kept = metrics.read_text().splitlines()[:start]
         metrics.write_text("".join(line + "\n" for line in kept))
     return {"latents": latents, "contexts": contexts, "data_hash": data_hash, "identity": identity, "start": start,
-            "bounds": bounds, "resumed": resumed, "verdict": plan.verdict}
+            "bounds": bounds, "resumed": resumed, "verdict": plan.verdict, "picks": validation_picks(items)}
 
 
 def _share(payload, top: Topology):
@@ -229,19 +277,27 @@ def _targets(cfg: TrainConfig, spec) -> list[tuple[str, int, int, int]]:
     return out
 
 
-def stage_lora(model: nn.Module, cfg: TrainConfig, spec, rng: StageRange) -> LoraSet:
-    """The adapters of the stage's blocks, initialised exactly as `attach_lora` initialises them on the
-    whole model (one generator drawn in target order: the other stages' draws are made and dropped)."""
+def stage_lora(model: nn.Module, cfg: TrainConfig, spec, ranges: StageRange | list[StageRange]) -> LoraSet:
+    """The adapters of the blocks of a rank's stage(s), initialised exactly as `attach_lora` initialises
+    them on the whole model (one generator drawn in target order: the other stages' draws are made
+    and dropped)."""
+    ranges = [ranges] if isinstance(ranges, StageRange) else list(ranges)
     for p in model.parameters():
         p.requires_grad_(False)
     lora = LoraSet()
     g = torch.Generator().manual_seed(cfg.seed)
     for path, i, fan_in, fan_out in _targets(cfg, spec):
-        if rng.start <= i < rng.end:
+        if any(r.start <= i < r.end for r in ranges):
             lora.add(model, path, cfg.rank, cfg.alpha, torch.float32, g)
         else:
             LoraAdapter(fan_in, fan_out, cfg.rank, cfg.alpha, torch.device("meta"), torch.float32, g)
     return lora
+
+
+def stage_adapters(lora: LoraSet, cfg: TrainConfig, spec, rng: StageRange) -> list[LoraAdapter]:
+    """The adapters of `lora` on the blocks of stage `rng`."""
+    block = {path: i for path, i, _, _ in _targets(cfg, spec)}
+    return [a for path, a in lora.items() if rng.start <= block[path] < rng.end]
 
 
 def lora_params(lora: LoraSet) -> list[tuple[str, nn.Parameter]]:
@@ -281,6 +337,8 @@ class DistributedResult:
     losses: list[float]
     bounds: list[tuple[int, int]]
     resumed_at: int = 0
+    validation_before: float = float("nan")
+    validation_after: float = float("nan")      # nan when a signal stopped the run
 
 
 class _Flags:
@@ -308,14 +366,14 @@ class _Flags:
 def train_distributed(cfg: TrainConfig, out: str | Path, model: nn.Module, make_encoders, key_prefix: str = "",
                       resume: bool = False, overwrite: bool = False, data_parallel: int = 1, log=print,
                       cpu: bool | None = None) -> DistributedResult:
-    """Train `cfg`'s LoRA on this rank's stage of `model` (ComfyUI's DiT, on the meta device to be
+    """Train `cfg`'s LoRA on this rank's stage(s) of `model` (ComfyUI's DiT, on the meta device to be
     streamed from `cfg.model_file`, or with weights), into `out` (written by rank 0). `make_encoders()`
     is called on rank 0 only. Every rank of the torchrun job calls this with the same arguments."""
     out = Path(out)
     spec = get_spec(cfg.model)
     if cfg.optimizer != "adamw":
         raise TrainingError(f"--distributed trains with optimizer 'adamw' (not {cfg.optimizer!r})")
-    top = init_distributed(data_parallel, cpu)
+    top = init_distributed(data_parallel, cpu, cfg.schedule, cfg.devices)
     if cfg.grad_accum % top.replicas:
         raise TrainingError(f"grad_accum {cfg.grad_accum} does not divide into {top.replicas} replicas: each replica "
                             "runs grad_accum / R micro-batches of the step's global batch")
@@ -334,25 +392,31 @@ def train_distributed(cfg: TrainConfig, out: str | Path, model: nn.Module, make_
         raise TrainingError(shared["error"])
     latents, contexts, start = shared["latents"], shared["contexts"], shared["start"]
     ranges = stage_ranges(shared["bounds"])
-    rng = ranges[top.stage]
+    mine = [ranges[s] for s in top.stage_ids]
+    per_rank = stages_per_rank(cfg.schedule)
     say(shared["verdict"])
-    say(f"distributed: {top.world} ranks = {top.stages} stages x {top.replicas} replica(s), blocks "
+    layout = f"{top.ranks} stages" if per_rank == 1 else f"{top.ranks} ranks of {per_rank} stages (" + "; ".join(
+        f"rank {r}: " + " and ".join(map(str, rank_stages(cfg.schedule, r, top.ranks))) for r in range(top.ranks)) + ")"
+    say(f"distributed: {top.world} ranks = {layout} x {top.replicas} replica(s), blocks "
         + ", ".join(f"[{r.start}, {r.end})" for r in ranges) + f", {'NCCL' if top.device.type == 'cuda' else 'gloo'}")
+    if cfg.sample_every:
+        say(f"samples: a distributed run renders none (sample_every = {cfg.sample_every} is ignored); the "
+            f"validation loss shows progress, and {cfg.output_name}.safetensors loads in ComfyUI to see the LoRA")
 
     # 2. this rank's share of the model, made safe to differentiate, with its LoRA
-    keep_only(model, spec, rng)
+    keep_only(model, spec, mine)
+    own_paths = [spec.blocks[i].path for r in mine for i in range(r.start, r.end)]
     if any(p.is_meta for p in model.parameters()):
         from ..place import Layout
         from ..stream_load import fill_from_file
-        layout = Layout({spec.blocks[i].path: str(top.device) for i in range(rng.start, rng.end)}, str(top.device),
-                        str(top.device), tuple(spec.tail_modules))
-        fill_from_file(model, layout, Path(cfg.model_file), key_prefix, TORCH_DTYPES[cfg.weight_dtype])
+        layout_ = Layout({path: str(top.device) for path in own_paths}, str(top.device), str(top.device),
+                         tuple(spec.tail_modules))
+        fill_from_file(model, layout_, Path(cfg.model_file), key_prefix, TORCH_DTYPES[cfg.weight_dtype])
     model.to(top.device)
-    own_paths = [spec.blocks[i].path for i in range(rng.start, rng.end)]
     guard_inplace_residuals(model, include_rms=False)
     if cfg.checkpointing:
         checkpoint_blocks(model, own_paths)
-    lora = stage_lora(model, cfg, spec, rng)
+    lora = stage_lora(model, cfg, spec, mine)
     params = [p for _, p in lora_params(lora)]
     optimizer = make_optimizer(cfg, params)
     if shared["resumed"] is not None:
@@ -365,20 +429,19 @@ def train_distributed(cfg: TrainConfig, out: str | Path, model: nn.Module, make_
                                           for k, v in resumed["optimizer"][name].items()}
         for group, saved in zip(optimizer.param_groups, resumed["param_groups"]):
             group.update(saved)
-    stage = stage_module(model, spec, rng, autocast=cfg.autocast)
+    stages = [stage_module(model, spec, r, autocast=cfg.autocast).adopt(stage_adapters(lora, cfg, spec, r))
+              for r in mine]
 
     # 3. steps
     micro_batches = MicroBatches([(tuple(latent.shape), model_context(spec, context).shape[1])
                                   for latent, context in zip(latents, contexts)], cfg.batch, cfg.seed)
     schedules: dict = {}
     per_replica = cfg.grad_accum // top.replicas
-    kind = "gpipe" if cfg.schedule in ("gpipe", "sequential") else "1f1b"
-    say(f"micro-batch schedule: {kind} ({per_replica} micro-batch(es) per replica and step)")
+    say(f"micro-batch schedule: {schedule_kind(cfg.schedule)} ({per_replica} micro-batch(es) per replica and step)")
     metrics_path = out / "metrics.jsonl"
     losses: list[float] = []
     step = saved = start
     last_save = time.monotonic()
-    progress = Progress(cfg.steps, start) if top.rank == 0 else None
 
     def save(at: int, name: str, stopping: bool = False) -> Path | None:
         nonlocal saved
@@ -386,6 +449,12 @@ def train_distributed(cfg: TrainConfig, out: str | Path, model: nn.Module, make_
         saved = at
         return path
 
+    def validation() -> float:
+        return validation_loss(cfg, spec, stages, top, latents, contexts, shared["picks"])
+
+    validation_before = validation()
+    say(f"validation loss before: {validation_before:.4f}")
+    progress = Progress(cfg.steps, start) if top.rank == 0 else None
     lora_path = None
     gradients = GradientsInOrder(params, top)
     with _Flags() as flags:
@@ -394,10 +463,11 @@ def train_distributed(cfg: TrainConfig, out: str | Path, model: nn.Module, make_
             for group in optimizer.param_groups:
                 group["lr"] = cfg.lr * lr_factor(cfg, step)
             ks = [step * cfg.grad_accum + j for j in range(cfg.grad_accum)]
-            mine = ks[top.replica * per_replica:(top.replica + 1) * per_replica]
+            own = ks[top.replica * per_replica:(top.replica + 1) * per_replica]
             loss = 0.0
-            for run in _runs(mine, micro_batches, latents, contexts):
-                loss += _run_schedule(run, cfg, spec, stage, top, schedules, micro_batches, latents, contexts, kind)
+            for run in _runs(own, micro_batches, latents, contexts):
+                loss += _run_schedule(run, cfg, spec, stages, top, schedules, micro_batches, latents, contexts,
+                                      gradients)
             gradients.reduce()
             if cfg.max_grad_norm:
                 _clip(params, cfg.max_grad_norm, top)
@@ -431,9 +501,11 @@ def train_distributed(cfg: TrainConfig, out: str | Path, model: nn.Module, make_
                 save(step, f"{cfg.output_name}_step{step}.safetensors")
                 last_save = time.monotonic()
         lora_path = save(step, f"{cfg.output_name}.safetensors")
+    validation_after = validation()
+    say(f"validation loss after {step} steps: {validation_after:.4f}")
     say(f"trained {step} steps on {top.world} ranks; LoRA {lora_path}")
     dist.barrier()
-    return DistributedResult(lora_path, step, losses, shared["bounds"], resumed_at=start)
+    return DistributedResult(lora_path, step, losses, shared["bounds"], start, validation_before, validation_after)
 
 
 def _runs(ks: list[int], micro_batches: MicroBatches, latents, contexts) -> list[list[tuple[int, list[int]]]]:
@@ -462,93 +534,184 @@ def micro_batch_inputs(cfg: TrainConfig, spec, latents: list[torch.Tensor], cont
     return x0, noise, t, context
 
 
-def _run_schedule(run, cfg, spec, stage, top: Topology, schedules: dict, micro_batches, latents, contexts,
-                  kind: str) -> float:
-    """One schedule over a run of same-shape micro-batches; returns the sum of their losses (last stage)."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+def stage_inputs(cfg: TrainConfig, spec, x0, noise, t, context, device: torch.device) -> dict:
+    """The keyword inputs every stage takes for one micro-batch, as `ugpum.train.loop.loss_at` feeds
+    the whole model: the noised latent, the scaled timestep, the text and (models with it) guidance."""
+    kw = {"x": noisy(x0, noise, t).to(device), "timestep": (t * spec.timestep_scale).to(device),
+          "context": context.to(device)}
+    guidance = training_guidance(spec, cfg.guidance)
+    if guidance is not None:
+        kw["guidance"] = torch.full((x0.shape[0],), guidance, device=device)
+    return kw
+
+
+class KeptStage(PipelineStage):
+    """A `PipelineStage` that hands each micro-batch's LoRA gradient to `GradientsInOrder` as soon as
+    that micro-batch's backward is done: after the full backward, or, where a zero-bubble schedule
+    splits it, after the weights' part (which sets `.grad` itself, so no autograd hook sees it)."""
+
+    def __init__(self, module: nn.Module, index: int, n_stages: int, device, group, gradients):
+        super().__init__(module, index, n_stages, device, group=group)
+        self.gradients = gradients
+
+    def backward_one_chunk(self, bwd_chunk_id: int, loss=None, full_backward: bool = True, last_backward=False):
+        super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward)
+        if full_backward:
+            self.gradients.take(self.submod, bwd_chunk_id)
+
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward=False):
+        super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
+        self.gradients.take(self.submod, bwd_chunk_id)
+
+
+def _run_schedule(run, cfg, spec, stages: list[nn.Module], top: Topology, schedules: dict, micro_batches, latents,
+                  contexts, gradients) -> float:
+    """One schedule over a run of same-shape micro-batches; returns the sum of their losses (on the
+    rank holding the last stage; 0 elsewhere)."""
     device = top.device
-    (k0, picked0) = run[0]
+    (_, picked0) = run[0]
     key = (micro_batches.shapes[picked0[0]], len(picked0), len(run))
     if key not in schedules:
-        pipe_stage = PipelineStage(stage, top.stage, top.stages, device, group=top.pipe_group)
-        cls = Schedule1F1B if kind == "1f1b" and len(run) >= top.stages else ScheduleGPipe
+        held = [KeptStage(module, s, top.n_stages, device, top.pipe_group, gradients)
+                for s, module in zip(top.stage_ids, stages)]
+        cls = schedule_class(cfg.schedule, len(run), top.ranks)
 
         def loss_fn(pred, target):                  # target: x0, noise and t packed in one tensor [B, 2n + 1]
             n = pred[0].numel()
             x0, noise = target[:, :n].view_as(pred), target[:, n:2 * n].view_as(pred)
             return flow_loss(pred.float(), x0, noise, target[:, 2 * n], cfg.weighting) / cfg.grad_accum
-        schedules[key] = cls(pipe_stage, n_microbatches=len(run), loss_fn=loss_fn, scale_grads=False)
+        one = issubclass(cls, PipelineScheduleSingle)
+        schedules[key] = cls(held[0] if one else held, n_microbatches=len(run), loss_fn=loss_fn, scale_grads=False)
     schedule = schedules[key]
-    guidance = training_guidance(spec, cfg.guidance)
     kwarg_mbs, target_mbs = [], []
     for k, picked in run:
         x0, noise, t, context = micro_batch_inputs(cfg, spec, [latents[i] for i in picked],
                                                    [contexts[i] for i in picked], k)
-        kw = {"x": noisy(x0, noise, t).to(device), "timestep": (t * spec.timestep_scale).to(device),
-              "context": context.to(device)}
-        if guidance is not None:
-            kw["guidance"] = torch.full((x0.shape[0],), guidance, device=device)
-        kwarg_mbs.append(kw)
+        kwarg_mbs.append(stage_inputs(cfg, spec, x0, noise, t, context, device))
         target_mbs.append(torch.cat([x0.flatten(1), noise.flatten(1), t.float()[:, None]], dim=1).to(device))
-    last = top.stage == top.stages - 1
+    last = top.n_stages - 1 in top.stage_ids
     losses: list = [] if last else None
+    gradients.ks = [k for k, _ in run]
     schedule.step(arg_mbs=[()] * len(run), kwarg_mbs=kwarg_mbs, target_mbs=target_mbs if last else None,
                   losses=losses, return_outputs=False)
     return sum(float(x.detach()) for x in losses) if last else 0.0
 
 
 class GradientsInOrder:
-    """Each micro-batch's LoRA gradient kept apart (a post-accumulate hook moves it out of `.grad`), then
-    summed in ascending micro-batch order across the replicas: replica r receives the running sum of
-    replicas 0..r-1, adds its own micro-batches one by one and passes it on; the last replica's sum
-    goes back to all (a broadcast). The float additions are exactly those of the single process's
-    gradient accumulation (((g0 + g1) + g2) + ...), which an all-reduce of per-replica sums
-    ((g0 + g1) + (g2 + g3)) is not: Adam turns that last-bit difference into ~1e-6 of the LoRA within a
-    few steps. The cost against an all-reduce: the same bytes per rank, R - 1 hops of latency, and
-    the micro-batches' gradients of one stage held until the step ends (LoRA-sized)."""
+    """Each micro-batch's LoRA gradient kept apart (`KeptStage` takes it out of `.grad` when the
+    micro-batch's backward ends, keyed by its number k), then summed in ascending k across the
+    replicas: replica r receives the running sum of replicas 0..r-1, adds its own micro-batches one by
+    one and passes it on; the last replica's sum goes back to all (a broadcast). The float additions
+    are exactly those of the single process's gradient accumulation (((g0 + g1) + g2) + ...), whatever
+    order a schedule runs the backwards in (Looped BFS runs them last micro-batch first), which an
+    all-reduce of per-replica sums ((g0 + g1) + (g2 + g3)) is not: Adam turns that last-bit
+    difference into ~1e-6 of the LoRA within a few steps. The cost against an all-reduce: the same
+    bytes per rank, R - 1 hops of latency, and the micro-batches' gradients of a rank held until the
+    step ends (LoRA-sized)."""
 
     def __init__(self, params: list[nn.Parameter], top: Topology):
         self.params, self.top = params, top
-        self.kept: list[list[torch.Tensor]] = [[] for _ in params]
-        self.handles = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(params)]
+        self.index = {id(p): i for i, p in enumerate(params)}
+        self.kept: dict[int, dict[int, torch.Tensor]] = {}
+        self.ks: list[int] = []                    # micro-batch numbers of the running schedule's chunks
 
-    def _hook(self, i: int):
-        def keep(p: nn.Parameter) -> None:
-            self.kept[i].append(p.grad)
-            p.grad = None
-        return keep
+    def take(self, module: nn.Module, chunk: int) -> None:
+        """Move the gradients `module`'s LoRA parameters hold (chunk `chunk` of the running schedule)."""
+        kept = self.kept.setdefault(self.ks[chunk], {})
+        for p in module.parameters():
+            i = self.index.get(id(p))
+            if i is not None and p.grad is not None:
+                kept[i] = p.grad
+                p.grad = None
 
     def reduce(self) -> None:
         """Set every parameter's `.grad` to the step's gradient (all micro-batches of all replicas)."""
-        top = self.top
-        counts = {len(k) for k in self.kept}
-        if len(counts) != 1:
-            raise RuntimeError(f"pipeline: the LoRA parameters of stage {top.stage} received unequal numbers of "
-                               f"gradients {sorted(counts)} in one step")
-        (n,) = counts
+        top, n = self.top, len(self.params)
+        short = {k: n - len(g) for k, g in self.kept.items() if len(g) != n}
+        if short:
+            raise RuntimeError(f"pipeline: micro-batch(es) {sorted(short)} left LoRA parameters of rank {top.rank} "
+                               "without a gradient")
         total = None
         if top.replica > 0:
             size = sum(p.numel() for p in self.params)
             total = torch.empty(size, dtype=torch.float32, device=top.device)
-            dist.recv(total, src=top.rank - top.stages)
-        for j in range(n):
-            flat = torch.cat([self.kept[i][j].reshape(-1) if self.kept[i][j] is not None
-                              else torch.zeros(p.numel(), device=top.device) for i, p in enumerate(self.params)])
+            dist.recv(total, src=top.rank - top.ranks)
+        for k in sorted(self.kept):
+            flat = torch.cat([self.kept[k][i].reshape(-1) for i in range(n)])
             total = flat if total is None else total + flat
         if top.replica < top.replicas - 1:
-            dist.send(total, dst=top.rank + top.stages)
+            dist.send(total, dst=top.rank + top.ranks)
         if top.replicas > 1:
-            last = (top.replicas - 1) * top.stages + top.stage
+            last = (top.replicas - 1) * top.ranks + top.pipe_rank
             dist.broadcast(total, src=last, group=top.dp_group)
         offset = 0
         for p in self.params:
             p.grad = total[offset:offset + p.numel()].view_as(p).clone()
             offset += p.numel()
-        self.kept = [[] for _ in self.params]
+        self.kept = {}
 
-    def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
+
+# --------------------------------------------------------------------------------------------
+# validation: forward only, through replica 0's stages
+# --------------------------------------------------------------------------------------------
+
+_WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_MAX_TENSORS, _SLOT = 4, 8                        # a header slot: dtype, ndim, up to 6 sizes
+
+
+def _send_hidden(tensors: tuple[torch.Tensor, ...], dst: int, device: torch.device) -> None:
+    """A stage's output to rank `dst`: a header (count, dtypes, shapes), then each tensor."""
+    header = torch.zeros(1 + _MAX_TENSORS * _SLOT, dtype=torch.int64)
+    header[0] = len(tensors)
+    for j, t in enumerate(tensors):
+        at = 1 + j * _SLOT
+        header[at], header[at + 1] = _WIRE_DTYPES.index(t.dtype), t.dim()
+        header[at + 2:at + 2 + t.dim()] = torch.tensor(t.shape)
+    dist.send(header.to(device), dst)
+    for t in tensors:
+        dist.send(t.contiguous(), dst)
+
+
+def _recv_hidden(src: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    header = torch.empty(1 + _MAX_TENSORS * _SLOT, dtype=torch.int64, device=device)
+    dist.recv(header, src)
+    header = header.cpu().tolist()
+    out = []
+    for j in range(header[0]):
+        at = 1 + j * _SLOT
+        t = torch.empty(header[at + 2:at + 2 + header[at + 1]], dtype=_WIRE_DTYPES[header[at]], device=device)
+        dist.recv(t, src)
+        out.append(t)
+    return tuple(out)
+
+
+@torch.no_grad()
+def validation_loss(cfg: TrainConfig, spec, stages: list[nn.Module], top: Topology, latents, contexts,
+                    picks: list[int]) -> float:
+    """`ugpum.train.loop.validation_loss` of the pipeline: the same inputs (`validation_inputs`), one at
+    a time through replica 0's stages, the loss on the rank of the last stage, summed in the same
+    order; every rank returns it."""
+    total = torch.zeros(2, dtype=torch.float64, device=top.device)
+    if top.replica == 0:
+        last, device, summed, n = top.n_stages - 1, top.device, 0.0, 0
+        for x0, noise, t, context in validation_inputs(spec, latents, contexts, picks):
+            kw = stage_inputs(cfg, spec, x0, noise, t, context, device)
+            hidden: tuple = ()
+            for s, module in zip(top.stage_ids, stages):
+                if s > 0 and top.owner(s - 1) != top.rank:
+                    hidden = _recv_hidden(top.owner(s - 1), device)
+                out = module(*hidden, **kw)
+                hidden = out if isinstance(out, tuple) else (out,)
+                if s == last:
+                    pred = hidden[0].float()
+                    summed += flow_loss(pred, x0.to(pred.device), noise.to(pred.device), t.to(pred.device),
+                                        "none").item()
+                    n += 1
+                elif top.owner(s + 1) != top.rank:
+                    _send_hidden(hidden, top.owner(s + 1), device)
+        total[0], total[1] = summed, n
+    dist.all_reduce(total)                         # from the last stage's rank to every rank
+    return float(total[0]) / float(total[1])
 
 
 def _clip(params: list[nn.Parameter], max_norm: float, top: Topology) -> None:
@@ -573,7 +736,7 @@ def _collective_save(cfg, spec, lora, optimizer, top: Topology, out: Path, at: i
                 "optimizer": {n: {k: torch.as_tensor(v).detach().cpu() for k, v in optimizer.state[p].items()}
                               for n, p in lora_params(lora) if p in optimizer.state},
                 "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]}
-        gathered = [None] * top.stages if top.rank == 0 else None
+        gathered = [None] * top.ranks if top.rank == 0 else None
         dist.gather_object(mine, gathered, dst=0, group=top.pipe_group)
         if top.rank == 0:
             full, full_opt = full_lora(cfg, spec)

@@ -1,5 +1,5 @@
 """One pipeline stage of a ComfyUI DiT as a module of its own: what `torch.distributed.pipelining`
-runs on each rank.
+runs on a rank (one stage per rank, or two: `schedules.py`).
 
 ComfyUI's `Flux.forward` and `WanModel.forward` are one loop over all blocks with glue around it
 (patchify, RoPE tables, the timestep's modulation computed once and shared by every block), so a
@@ -58,6 +58,13 @@ class _Stage(nn.Module):
         self.spec, self.rng, self.autocast = spec, rng, autocast
         # register the blocks this stage runs, so `parameters()` of the stage is its share
         self.own = nn.ModuleList([model.get_submodule(spec.blocks[i].path) for i in range(rng.start, rng.end)])
+
+    def adopt(self, adapters) -> _Stage:
+        """Register the LoRA adapters of this stage's blocks as its own parameters (they stay the
+        LoraSet's too): a schedule finds the weights it computes gradients for through
+        `parameters()` (zero-bubble splits each backward into the input's and the weights')."""
+        self.adapters = nn.ModuleList(adapters)
+        return self
 
     def _autocast(self, device: torch.device):
         return torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.autocast and device.type == "cuda")
@@ -200,11 +207,12 @@ def needed(spec, rng: StageRange) -> tuple[str, ...]:
         (tuple(spec.tail_modules) if rng.last else ())
 
 
-def keep_only(model: nn.Module, spec, rng: StageRange) -> None:
-    """Drop from `model` every block and top-level module stage `rng` does not run (each becomes an
-    empty `nn.Identity`), so a rank loads, streams and holds only its share of the weights."""
-    own = {spec.blocks[i].path for i in range(rng.start, rng.end)}
-    keep = set(needed(spec, rng))
+def keep_only(model: nn.Module, spec, ranges: StageRange | list[StageRange]) -> None:
+    """Drop from `model` every block and top-level module the stage(s) `ranges` of one rank do not
+    run (each becomes an empty `nn.Identity`), so a rank loads, streams and holds only its share."""
+    ranges = [ranges] if isinstance(ranges, StageRange) else list(ranges)
+    own = {spec.blocks[i].path for rng in ranges for i in range(rng.start, rng.end)}
+    keep = {name for rng in ranges for name in needed(spec, rng)}
     for b in spec.blocks:
         if b.path not in own:
             parent, _, index = b.path.rpartition(".")

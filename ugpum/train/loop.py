@@ -22,6 +22,7 @@ from ..base_compute import use_8bit_base
 from ..checkpointing import checkpoint_blocks
 from ..compile import compile_blocks, compile_stats
 from ..devices import resolve_devices
+from ..distributed.schedules import DISTRIBUTED_ONLY
 from ..dtypes import TORCH_DTYPES
 from ..inplace_guard import guard_inplace_residuals
 from ..formats.lora_file import lora_metadata, save_lora
@@ -194,24 +195,35 @@ def validation_picks(items: list[ImageItem], limit: int = 16) -> list[int]:
     return [distinct[round(j * (len(distinct) - 1) / (limit - 1))] for j in range(limit)]
 
 
-@torch.no_grad()
-def validation_loss(model, spec, cfg: TrainConfig, latents, contexts, first: str, picks: list[int]) -> float:
-    """Loss on fixed noise at fixed timesteps over the picked items: a smooth measure of progress,
-    unlike the training loss, whose random timesteps make it jump from step to step."""
-    total, n = 0.0, 0
+def validation_inputs(spec, latents, contexts, picks: list[int]):
+    """(x0, noise, t, context) of each validation forward, in order: every picked item (batch 1) on
+    its own fixed noise, at each of VALIDATION_T (the distributed run takes the same ones)."""
     for seed, i in enumerate(picks):
         g = torch.Generator().manual_seed(10_007 + seed)
         x0 = latents[i][None].float()
         noise = torch.randn(x0.shape, generator=g)
         context = model_context(spec, contexts[i])
         for t in VALIDATION_T:
-            total += loss_at(model, spec, cfg, x0, noise, torch.tensor([t]), context, first, "none").item()
-            n += 1
+            yield x0, noise, torch.tensor([t]), context
+
+
+@torch.no_grad()
+def validation_loss(model, spec, cfg: TrainConfig, latents, contexts, first: str, picks: list[int]) -> float:
+    """Loss on fixed noise at fixed timesteps over the picked items: a smooth measure of progress,
+    unlike the training loss, whose random timesteps make it jump from step to step."""
+    total, n = 0.0, 0
+    for x0, noise, t, context in validation_inputs(spec, latents, contexts, picks):
+        total += loss_at(model, spec, cfg, x0, noise, t, context, first, "none").item()
+        n += 1
     return total / n
 
 
 def plan_for(cfg: TrainConfig) -> Plan:
     """The plan a run with these settings uses (what the Partition Planner node and `plan` show)."""
+    if cfg.schedule in DISTRIBUTED_ONLY:
+        raise TrainingError(f"schedule {cfg.schedule} runs two pipeline stages on each rank of a distributed run "
+                            "(torchrun ... --distributed, README \"Past one machine\"); one process runs auto, "
+                            "sequential, gpipe or 1f1b")
     spec = get_spec(cfg.model)
     return plan_training(spec, resolve_devices(cfg.devices, spec, training=True), cfg.workload(),
                          grad_accum=cfg.grad_accum, schedule=cfg.schedule)
