@@ -21,7 +21,7 @@ from ugpum.arch.base import latent_frames  # noqa: E402
 
 GIB = 1024 ** 3
 DEFAULT_ALLOC_CONF = "expandable_segments:True"
-ENTRY_KEY = ("model", "cap_gib", "resolution", "frames", "slots", "offload")   # one result per key
+ENTRY_KEY = ("model", "cap_gib", "resolution", "frames", "slots", "offload", "compile")   # one result per key
 
 
 def add_workload_arguments(p: argparse.ArgumentParser, steps: int, warmup: int) -> None:
@@ -32,6 +32,7 @@ def add_workload_arguments(p: argparse.ArgumentParser, steps: int, warmup: int) 
     p.add_argument("--frames", type=int, default=1, help="Wan video frames (4k+1)")
     p.add_argument("--text-tokens", type=int, default=512)
     p.add_argument("--rank", type=int, default=16, help="LoRA rank")
+    p.add_argument("--compile", choices=["off", "on"], default="off", help="compiled blocks (ugpum.compile)")
 
 
 def checkpoint_path(args, spec) -> Path:
@@ -126,15 +127,22 @@ def cap_devices(limits: dict[str, float]):
     return undo
 
 
-def lora_training_setup(model, spec, w):
+def lora_training_setup(model, spec, w, compile: str = "off"):
     """What every GPU bench trains: FLUX.2's in-place guard, per-block checkpointing and LoRA of rank
-    `w.rank` on every block linear. Returns (guards, undo checkpointing, the LoRA set, its parameters)."""
+    `w.rank` on every block linear, the blocks compiled first when `compile` is on. Returns (guards, undo
+    checkpointing and compilation, the LoRA set, its parameters)."""
     from ugpum.checkpointing import checkpoint_blocks
+    from ugpum.compile import compile_blocks
     from ugpum.inplace_guard import guard_inplace_residuals
     from ugpum.train.lora import attach_lora, lora_targets
     block_paths = [b.path for b in spec.blocks]
     guards = guard_inplace_residuals(model, include_rms=False)
-    undo_ckpt = checkpoint_blocks(model, block_paths)
+    undo_compile = compile_blocks(model, block_paths, compile)
+    undo_checkpointing = checkpoint_blocks(model, block_paths)
+
+    def undo_ckpt():
+        undo_checkpointing()
+        undo_compile()
     lora = attach_lora(model, lora_targets(block_paths, [b.linears for b in spec.blocks]),
                        rank=w.rank, alpha=float(w.rank))
     return guards, undo_ckpt, lora, [p for _, a in lora.items() for p in a.parameters()]

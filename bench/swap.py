@@ -78,7 +78,7 @@ def run_case(spec, plan, ckpt: Path, prefix: str, w, args, swap: bool) -> dict:
         placed, swaps = place(model, layout, checkpoint=ckpt, key_prefix=prefix), []
     load_s = time.perf_counter() - t0
     load_peak = torch.cuda.max_memory_allocated(device) / GIB if cuda else None
-    guards, undo_ckpt, lora, params = lora_training_setup(model, spec, w)
+    guards, undo_ckpt, lora, params = lora_training_setup(model, spec, w, args.compile)
     opt = torch.optim.AdamW(params, lr=1e-4)
     x, t, ctx = example_inputs(spec, w, device)
     if cuda:
@@ -150,6 +150,7 @@ def _earlier_case(path: Path, model: str, args, case: str) -> dict | None:
     same = ("cap_gib", "resolution", "frames", "rank", "text_tokens") + (("slots",) if case == "swap" else ())
     for e in reversed(entries if isinstance(entries, list) else []):
         if e.get("model") == model and all(e.get(k) == getattr(args, k) for k in same) and e.get(case) \
+                and e.get("compile", "off") == args.compile \
                 and (case == "unconstrained" or e.get("offload") == "plan"):
             return e[case]
     return None
@@ -168,7 +169,8 @@ def markdown_table(entries: list[dict]) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for e in entries:
-        shape = f"{e.get('resolution')}²" + (f" x{e['frames']}f" if e.get("frames", 1) > 1 else "")
+        shape = f"{e.get('resolution')}²" + (f" x{e['frames']}f" if e.get("frames", 1) > 1 else "") \
+            + (", compiled" if e.get("compile") == "on" else "")
         moved = e.get("bytes_moved_per_step")
         fc = e.get("forecast_swap_bytes_per_step")
         err = e.get("forecast_error")
@@ -272,7 +274,7 @@ def run_swap_bench(args) -> int:
     entry = {
         "model": spec.id, "cap_gib": args.cap_gib, "resolution": args.resolution, "frames": args.frames,
         "text_tokens": args.text_tokens, "batch": 1, "rank": args.rank, "checkpointing": "block",
-        "slots": args.slots, "offload": "plan", "stored_dtype": stored,
+        "slots": args.slots, "offload": "plan", "stored_dtype": stored, "compile": args.compile,
         "unconstrained_s": u["s_per_step"] if u else None,
         "swap_s": s["s_per_step"] if s else None,
         "ratio": round(s["s_per_step"] / u["s_per_step"], 4) if u and s else None,

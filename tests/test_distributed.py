@@ -9,9 +9,6 @@ stages x 2 replicas), each schedule, the two-stages-per-rank ones (interleaved 1
 included; a run resumes exactly with another number of replicas (2 -> 1 and, after a SIGTERM to one
 rank that ends every rank with one sentence and a checkpoint, 1 -> 2).
 """
-import argparse
-import contextlib
-import io
 import json
 import os
 import signal
@@ -146,48 +143,9 @@ def torchrun(ranks: int, *args: str, check: bool = True, **popen) -> subprocess.
     return done
 
 
-# The two-stages-per-rank schedules are values of the `schedule` setting. Where TrainConfig's
-# validation and `train --schedule` do not list them yet, the job runs through this script: the
-# CLI's own parser and config, the setting set on the validated config, then the CLI's distributed
-# branch (what `python -m ugpum train ... --distributed` runs).
-SET_SCHEDULE = """
-import argparse, sys
-from ugpum.commands.train import add_train_parser, build_encoders, build_model, config_from_args
-from ugpum.commands.train_distributed import run_train_distributed
-parser = argparse.ArgumentParser()
-add_train_parser(parser.add_subparsers())
-args = parser.parse_args(["train", *sys.argv[2:]])
-cfg = config_from_args(args)
-cfg.schedule = sys.argv[1]
-sys.exit(run_train_distributed(args, cfg, args.resume or args.out, None, build_model, build_encoders))
-"""
-
-
-def cli_takes(schedule: str) -> bool:
-    from ugpum.commands.train import add_train_parser
-    from ugpum.train.config import ConfigError, TrainConfig
-    parser = argparse.ArgumentParser()
-    add_train_parser(parser.add_subparsers())
-    try:
-        with contextlib.redirect_stderr(io.StringIO()):                 # argparse's refusal, unprinted
-            parser.parse_args(["train", "--schedule", schedule])
-        TrainConfig(schedule=schedule).validate()
-    except (SystemExit, ConfigError):
-        return False
-    return True
-
-
 def torchrun_schedule(tmp_path: Path, ranks: int, schedule: str, *args: str) -> subprocess.CompletedProcess:
-    """`torchrun ... -m ugpum train ... --schedule SCHEDULE --distributed` (see SET_SCHEDULE)."""
-    if cli_takes(schedule):
-        return torchrun(ranks, *args, "--schedule", schedule)
-    script = tmp_path / "set_schedule.py"
-    script.write_text(SET_SCHEDULE)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", str(script),
-           schedule, *args, "--distributed"]
-    done = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
-    return done
+    """`torchrun ... -m ugpum train ... --schedule SCHEDULE --distributed`."""
+    return torchrun(ranks, *args, "--schedule", schedule)
 
 
 def single_process(out: Path, *args: str) -> Path:

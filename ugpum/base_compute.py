@@ -23,8 +23,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["MODES", "use_8bit_base", "base_compute_factors", "quantise_weight", "quantise_rows", "supports",
-           "BaseComputeError"]
+__all__ = ["MODES", "use_8bit_base", "QuantiseAsLoaded", "quantise_weight",
+           "quantise_rows", "supports", "check_devices", "BaseComputeError"]
 
 MODES = ("bf16", "fp8", "int8")
 FP8 = torch.float8_e4m3fn
@@ -52,6 +52,14 @@ def supports(mode: str, device) -> str | None:
     if mode == "int8" and major < 8:
         return f"base_compute=int8 needs compute capability 8.0+ (Ampere or newer); {name} is {major}.{minor}"
     return None
+
+
+def check_devices(mode: str, devices) -> None:
+    """Raise BaseComputeError (one sentence) unless every device has tensor cores for `mode`."""
+    for dev in sorted({str(d) for d in devices}):
+        reason = supports(mode, dev)
+        if reason:
+            raise BaseComputeError(reason)
 
 
 def _qmax(mode: str) -> float:
@@ -154,6 +162,63 @@ def _class_8bit(cls: type) -> type:
     return _classes[cls]
 
 
+def _effective_weight(layer: nn.Module) -> torch.Tensor:
+    """The weight the layer computes with: ComfyUI's ops apply their `weight_function`s (e.g. the scale
+    of a scaled fp8 file, `ugpum.stream_load.ScaledWeight`) to the stored tensor at every call."""
+    w = layer.weight.detach()
+    w = w if w.dtype in (torch.float32, torch.bfloat16, torch.float16) else w.float()
+    for fn in getattr(layer, "weight_function", None) or ():
+        w = fn(w)
+    return w
+
+
+def _quantise_layer(path: str, layer: nn.Module, mode: str, emulate: bool, keep: str):
+    """Make one frozen Linear 8-bit (class swapped, Wq and sw as buffers); returns what undo needs."""
+    if not isinstance(layer, nn.Linear):
+        raise TypeError(f"base_compute target {path} is a {type(layer).__name__}, not a Linear")
+    if hasattr(type(layer), "_ugpum_base_class"):
+        raise ValueError(f"base_compute: {path} is already 8-bit; undo first")
+    w = layer.weight
+    if w.requires_grad:
+        raise ValueError(f"base_compute: {path}'s weight is trainable; only frozen base weights go 8-bit")
+    wq, sw = quantise_weight(_effective_weight(layer), mode)
+    layer.register_buffer("ugpum_wq", wq, persistent=False)
+    layer.register_buffer("ugpum_sw", sw, persistent=False)
+    layer.ugpum_mode, layer.ugpum_emulate = mode, emulate
+    original = w.data
+    if keep == "cpu":
+        saved = original.to("cpu", copy=True)
+    else:
+        saved = None if keep == "none" else original
+    if keep != "device":
+        w.data = torch.empty(0, device=original.device, dtype=original.dtype)
+    stash = (layer, type(layer), saved, original.device)
+    layer.__class__ = _class_8bit(type(layer))
+    return stash, wq.numel()
+
+
+def _undo_layers(stash: list) -> None:
+    for layer, cls, saved, device in stash:
+        layer.weight.data = saved.to(device) if saved.device != device else saved
+        layer.__class__ = cls
+        for name in ("ugpum_wq", "ugpum_sw"):
+            layer._buffers.pop(name, None)
+        for name in ("ugpum_mode", "ugpum_emulate"):
+            layer.__dict__.pop(name, None)
+
+
+def _check_mode(mode: str, keep: str = "none") -> None:
+    if mode not in MODES:
+        raise ValueError(f"base_compute {mode!r}: use one of {', '.join(MODES)}")
+    if keep not in ("cpu", "device", "none"):
+        raise ValueError(f"keep {keep!r}: use cpu, device or none")
+
+
+def _summary(mode: str, emulate: bool, layers: int, weights: int) -> str:
+    return (f"base_compute={mode}{' (emulated in fp32)' if emulate else ''}: {layers} frozen Linears "
+            f"({weights / 1e9:.2f} B weights) quantised per output channel, activations per token")
+
+
 def use_8bit_base(model: nn.Module, linear_paths: list[str], mode: str, log=print, *, emulate: bool = False,
                   keep: str = "cpu"):
     """Run the frozen Linears at `linear_paths` in `mode` (bf16 changes nothing). Returns `undo()`, which
@@ -162,75 +227,41 @@ def use_8bit_base(model: nn.Module, linear_paths: list[str], mode: str, log=prin
     keep: where the original weights wait for `undo` meanwhile: 'cpu' (host memory; the GPU then holds 1
     byte a weight), 'device' (stays, no saving, fastest undo) or 'none' (dropped; `undo` then refuses).
     emulate: run the fp32 reference emulation instead of 8-bit kernels (any device, tests)."""
-    if mode not in MODES:
-        raise ValueError(f"base_compute {mode!r}: use one of {', '.join(MODES)}")
-    if keep not in ("cpu", "device", "none"):
-        raise ValueError(f"keep {keep!r}: use cpu, device or none")
+    _check_mode(mode, keep)
     if mode == "bf16" or not linear_paths:
         return lambda: None
     layers = [model.get_submodule(p) for p in linear_paths]
-    if not emulate:
-        for dev in sorted({str(layer.weight.device) for layer in layers}):
-            reason = supports(mode, dev)
-            if reason:
-                raise BaseComputeError(reason)
-    stash = []
-    n_params = 0
+    if not emulate:                                  # refuse before any layer changes
+        check_devices(mode, {layer.weight.device for layer in layers})
+    stash, n_params = [], 0
     for path, layer in zip(linear_paths, layers):
-        if not isinstance(layer, nn.Linear):
-            raise TypeError(f"base_compute target {path} is a {type(layer).__name__}, not a Linear")
-        if hasattr(type(layer), "_ugpum_base_class"):
-            raise ValueError(f"base_compute: {path} is already 8-bit; undo first")
-        w = layer.weight
-        if w.requires_grad:
-            raise ValueError(f"base_compute: {path}'s weight is trainable; only frozen base weights go 8-bit")
-        wq, sw = quantise_weight(w.float() if w.dtype not in (torch.float32, torch.bfloat16, torch.float16)
-                                 else w, mode)
-        layer.register_buffer("ugpum_wq", wq, persistent=False)
-        layer.register_buffer("ugpum_sw", sw, persistent=False)
-        layer.ugpum_mode, layer.ugpum_emulate = mode, emulate
-        original = w.data
-        if keep == "cpu":
-            saved = original.to("cpu", copy=True)
-            w.data = torch.empty(0, device=original.device, dtype=original.dtype)
-        elif keep == "none":
-            saved = None
-            w.data = torch.empty(0, device=original.device, dtype=original.dtype)
-        else:
-            saved = original
-        stash.append((layer, type(layer), saved, original.device))
-        layer.__class__ = _class_8bit(type(layer))
-        n_params += wq.numel()
-    log(f"base_compute={mode}{' (emulated in fp32)' if emulate else ''}: {len(layers)} frozen Linears "
-        f"({n_params / 1e9:.2f} B weights) quantised per output channel, activations per token")
+        entry, n = _quantise_layer(path, layer, mode, emulate, keep)
+        stash.append(entry)
+        n_params += n
+    log(_summary(mode, emulate, len(stash), n_params))
 
     def undo():
         if keep == "none":
             raise BaseComputeError("base_compute: the original weights were dropped (keep='none'); reload the model")
-        for layer, cls, saved, device in stash:
-            layer.weight.data = saved.to(device) if saved.device != device else saved
-            layer.__class__ = cls
-            for name in ("ugpum_wq", "ugpum_sw"):
-                layer._buffers.pop(name, None)
-            for name in ("ugpum_mode", "ugpum_emulate"):
-                layer.__dict__.pop(name, None)
+        _undo_layers(stash)
     return undo
 
 
-# Whole-step factor vs bf16 measured on one H200 (bench/speed.py, 2026-12-04). None: not yet measured
-# cleanly, the planner then uses 1.0. That run's fp8 kernels alone were 1.8x faster than bf16's (128 ms vs
-# ~230 ms of GEMM per klein 9B step), but the compiled fp8 step hit the recompile limit (the per-Linear
-# forward objects, since replaced by a class swap) and ran half its blocks eagerly: 0.430 s vs 0.406 s.
-MEASURED_SPEEDUP = {"bf16": 1.0, "fp8": None, "int8": None}
+class QuantiseAsLoaded:
+    """`on_weight` for `ugpum.place.place`: each target Linear goes 8-bit (original dropped) the moment
+    its weight arrives from the file, so the GPU never holds the bf16 base, only one layer of it at a time;
+    what the planner forecasts for 8-bit (1 byte a weight) is then also the loading peak."""
 
+    def __init__(self, linear_paths: list[str], mode: str, *, emulate: bool = False):
+        _check_mode(mode)
+        self.targets, self.mode, self.emulate = set(linear_paths), mode, emulate
+        self.layers = self.weights = 0
 
-def base_compute_factors(mode: str, device="cuda") -> tuple[float, float]:
-    """(weight bytes per base parameter held on the device, speed factor of the base matmuls vs bf16) for
-    the planner. 8-bit modes also need, transiently, one transposed copy of the largest Linear's weight in
-    backward (1 byte a weight) and the quantised activation (1 byte per element of the input)."""
-    if mode not in MODES:
-        raise ValueError(f"base_compute {mode!r}: use one of {', '.join(MODES)}")
-    if mode == "bf16":
-        return 2.0, 1.0
-    speed = MEASURED_SPEEDUP.get(mode)
-    return 1.0 + 4.0 / 4096, float(speed) if speed else 1.0      # + the fp32 per-channel scale (hidden 4096)
+    def __call__(self, path: str, module: nn.Module) -> None:
+        if self.mode != "bf16" and path in self.targets:
+            _, n = _quantise_layer(path, module, self.mode, self.emulate, "none")
+            self.layers += 1
+            self.weights += n
+
+    def summary(self) -> str:
+        return _summary(self.mode, self.emulate, self.layers, self.weights)

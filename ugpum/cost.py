@@ -8,6 +8,16 @@ GIB = 1024 ** 3
 # A DiT block reaches this fraction of the device's measured square-matmul rate: on the H200 a
 # klein 9B block at 1024² does fwd+bwd (5.2 TFLOP) in 12 ms (DESIGN §4) against ~790 TFLOP/s.
 BLOCK_EFFICIENCY = 0.55
+# Compiled blocks (ugpum.compile) fuse the elementwise and copy kernels around the matmuls: the klein 9B
+# step at 1024² fell from 0.6085 to 0.4677 s on one H200 (bench/results/speed.md, 2026-12-04), a block
+# rate 1.30x the eager one.
+COMPILED_EFFICIENCY = BLOCK_EFFICIENCY * 0.6085 / 0.4677
+# The base's dense matmuls in 8-bit (ugpum.base_compute), as a multiple of their bf16 speed, fitted to
+# the same H200 runs (attention and the LoRA unchanged): compiled fp8 0.3667 s and int8 0.4572 s against
+# compiled bf16 0.4677 s; eager, the unfused per-token quantisation costs more than the kernels save
+# (fp8 0.71, int8 1.00 s against 0.61 s). fp8's GEMMs alone ran 1.88x bf16's (139 vs 261 ms a step).
+BASE_DENSE_SPEED = {("bf16", False): 1.0, ("bf16", True): 1.0, ("fp8", True): 1.37, ("fp8", False): 0.83,
+                    ("int8", True): 1.03, ("int8", False): 0.56}
 # Frozen base weights: backward computes only input gradients for the dense part (1x forward);
 # flash attention's backward costs about 2.5x its forward.
 DENSE_BACKWARD = 1.0
@@ -30,17 +40,24 @@ def block_flops_split(spec: ArchSpec, block: BlockSpec, w: Workload) -> tuple[fl
     return spec.block_flops(block, w) - attention, attention
 
 
+def block_train_flops_split(spec: ArchSpec, block: BlockSpec, w: Workload) -> tuple[float, float]:
+    """(dense, attention) FLOPs of one block's forward + backward (+ recompute under checkpointing)."""
+    dense, attention = block_flops_split(spec, block, w)
+    passes = 1 if w.checkpointing else 0
+    return dense * (1 + DENSE_BACKWARD + passes), attention * (1 + ATTENTION_BACKWARD + passes)
+
+
 def block_train_flops(spec: ArchSpec, block: BlockSpec, w: Workload) -> float:
     """Forward + backward (+ recompute under checkpointing) FLOPs of one block."""
-    dense, attention = block_flops_split(spec, block, w)
-    total = dense * (1 + DENSE_BACKWARD) + attention * (1 + ATTENTION_BACKWARD)
-    if w.checkpointing:
-        total += dense + attention
-    return total
+    return sum(block_train_flops_split(spec, block, w))
 
 
 def block_seconds(spec: ArchSpec, block: BlockSpec, w: Workload, tflops: float) -> float:
-    return block_train_flops(spec, block, w) / (tflops * 1e12 * BLOCK_EFFICIENCY)
+    """One block's training time on a device of `tflops` (bf16 matmul rate), in the workload's mode."""
+    dense, attention = block_train_flops_split(spec, block, w)
+    efficiency = COMPILED_EFFICIENCY if w.compiled else BLOCK_EFFICIENCY
+    dense_speed = BASE_DENSE_SPEED[(w.base_compute, w.compiled)]
+    return (dense / dense_speed + attention) / (tflops * 1e12 * efficiency)
 
 
 def forward_share(w: Workload) -> float:

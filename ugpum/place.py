@@ -121,14 +121,16 @@ def _device_of_module(module: nn.Module) -> torch.device:
 
 
 def place(model: nn.Module, layout: Layout, checkpoint: str | Path | None = None, key_prefix: str = "",
-          dtype: torch.dtype | None = None, weights_on: dict[str, str] | None = None) -> Placement:
+          dtype: torch.dtype | None = None, weights_on: dict[str, str] | None = None,
+          on_weight=None) -> Placement:
     """Put each unit on its device and install the router.
 
     With `checkpoint`, the model must have been built on the meta device: each unit is allocated on
     its device and filled tensor by tensor from the file (safetensors reads only the bytes asked for).
     `weights_on` (unit path -> device) stores those units' weights elsewhere than they run: block
     swap keeps offloaded blocks in host memory (`ugpum.swap`); the router still moves their inputs
-    to the layout's device.
+    to the layout's device. `on_weight(module_path, module)` runs as each weight arrives from the file
+    (`ugpum.base_compute.quantise_as_loaded` makes the frozen Linears 8-bit one by one).
     """
     storage = dataclasses.replace(layout, blocks={**layout.blocks, **weights_on}) if weights_on else layout
     units = _units(model, layout)
@@ -141,7 +143,7 @@ def place(model: nn.Module, layout: Layout, checkpoint: str | Path | None = None
     try:
         if checkpoint is not None:
             from .stream_load import fill_from_file
-            fill_from_file(model, storage, Path(checkpoint), key_prefix, dtype)
+            fill_from_file(model, storage, Path(checkpoint), key_prefix, dtype, on_weight)
         else:
             _move_own(model, torch.device(layout.first), rest_skip)
             for path in units:
@@ -213,12 +215,14 @@ def place_with_swap(model: nn.Module, layout, offloaded: Sequence[str], checkpoi
 
 
 def place_by_plan(model: nn.Module, plan, tail_modules: tuple[str, ...], model_file: str = "",
-                  key_prefix: str = "", dtype: torch.dtype | None = None):
+                  key_prefix: str = "", dtype: torch.dtype | None = None, on_weight=None):
     """Apply a plan: blocks on their stages' devices, the swap tier (if any) streamed from host memory,
-    weights read from `model_file` when the model was built on the meta device. Returns the
-    placement; `.undo()` releases it."""
+    weights read from `model_file` when the model was built on the meta device (`on_weight`: see
+    `place`; not with a swap tier). Returns the placement; `.undo()` releases it."""
     layout, offloaded = swap_plan(plan, [s.torch_device for s in plan.stages], tail_modules)
     checkpoint = model_file if any(p.is_meta for p in model.parameters()) else None
     if offloaded:
+        if on_weight is not None:
+            raise ValueError("place_by_plan: on_weight does not work with a swap tier")
         return place_with_swap(model, layout, offloaded, checkpoint=checkpoint, key_prefix=key_prefix, dtype=dtype)
-    return place(model, layout, checkpoint=checkpoint, key_prefix=key_prefix, dtype=dtype)
+    return place(model, layout, checkpoint=checkpoint, key_prefix=key_prefix, dtype=dtype, on_weight=on_weight)

@@ -117,7 +117,10 @@ def file_key(name: str, key_prefix: str, header: Header) -> str | None:
 
 
 def fill_from_file(model: nn.Module, layout, path: Path, key_prefix: str = "",
-                   dtype: torch.dtype | None = None) -> None:
+                   dtype: torch.dtype | None = None, on_weight=None) -> None:
+    """Allocate and fill every parameter and buffer of a meta-built `model` from `path`, on the device
+    `layout` gives its module. `on_weight(module_path, module)`, if given, is called as soon as a
+    module's `weight` is in place (e.g. to quantise it before the next one arrives)."""
     header = read_header(path)
     names = dict(model.named_parameters())
     names.update(dict(model.named_buffers()))
@@ -145,3 +148,5 @@ def fill_from_file(model: nn.Module, layout, path: Path, key_prefix: str = "",
                 owner._parameters[attr] = nn.Parameter(t, requires_grad=old.requires_grad)
             else:
                 owner._buffers[attr] = t
+            if on_weight is not None and attr == "weight":
+                on_weight(owner_path, owner)

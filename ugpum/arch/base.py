@@ -45,6 +45,8 @@ class Workload:
     checkpointing: bool = True
     weight_dtype: str = "bf16"
     rank: int = 16
+    compiled: bool = False               # blocks compiled (ugpum.compile): fused elementwise work
+    base_compute: str = "bf16"           # the frozen base's matmuls: bf16 | fp8 | int8 (ugpum.base_compute)
 
 
 @dataclass(frozen=True)

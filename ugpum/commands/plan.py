@@ -6,6 +6,7 @@ import json
 
 from ..arch import Workload, get_spec, recognise
 from ..devices import resolve_devices
+from ..distributed.schedules import DISTRIBUTED_ONLY
 from ..forecast import format_plan
 from ..pipeline import SCHEDULES
 from ..plan import plan_training
@@ -34,11 +35,16 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--frames", type=int, default=1, help="video frames per clip (Wan: 4k+1, e.g. 17 or 33)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
-    p.add_argument("--schedule", choices=["auto", *SCHEDULES], default="auto",
-                   help="order of the micro-batches over the stages (auto: the fastest for the split)")
+    p.add_argument("--schedule", choices=["auto", *SCHEDULES, *DISTRIBUTED_ONLY], default="auto",
+                   help="order of the micro-batches over the stages (auto: the fastest for the split); with "
+                        "--distributed also interleaved-1f1b or zero-bubble (two pipeline stages per rank)")
     p.add_argument("--rank", type=int, default=16, help="LoRA rank")
     p.add_argument("--dtype", choices=["bf16", "fp8"], default="bf16", help="base weight dtype")
     p.add_argument("--checkpointing", choices=["block", "none"], default="block")
+    p.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
+                   help="plan compiled blocks (auto and on) or eager ones (off), as train runs them")
+    p.add_argument("--base-compute", choices=["bf16", "fp8", "int8"], default="bf16",
+                   help="the frozen base's matmuls: 8-bit holds the base at 1 byte a weight and runs it faster")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     # past one machine (README "Past one machine"): the --gpu list is one machine's GPUs
     p.add_argument("--distributed", action="store_true",
@@ -63,10 +69,14 @@ def run_plan(args) -> int:
     if spec.frames_error(args.frames):
         raise UsageError(f"--frames {args.frames}: {spec.frames_error(args.frames)}")
     w = Workload(width=args.resolution[0], height=args.resolution[1], frames=args.frames, batch=args.batch,
-                 checkpointing=args.checkpointing == "block", weight_dtype=args.dtype, rank=args.rank)
+                 checkpointing=args.checkpointing == "block", rank=args.rank, compiled=args.compile != "off",
+                 base_compute=args.base_compute, weight_dtype="fp8" if args.base_compute != "bf16" else args.dtype)
     devices = resolve_devices(args.gpu, spec)
     if args.distributed or args.nodes != 1 or args.data_parallel:
         return _plan_distributed(args, spec, w, devices)
+    if args.schedule in DISTRIBUTED_ONLY:
+        raise UsageError(f"--schedule {args.schedule} puts two pipeline stages on each rank of a distributed run: "
+                         "add --distributed, or use auto, sequential, gpipe or 1f1b")
     plan = plan_training(spec, devices, w, grad_accum=args.grad_accum, schedule=args.schedule)
     print(json.dumps(plan.to_json(), indent=1) if args.json else format_plan(plan))
     return 0

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from ..arch import get_spec, recognise
 from ..devices import CPU_TRAINABLE_PARAMS
+from ..distributed.schedules import DISTRIBUTED_ONLY
 from ..dtypes import TORCH_DTYPES
 from ..train.config import PROFILES, TrainConfig, load_config
 from .bridge import comfy_bridge
@@ -43,8 +44,9 @@ def add_train_parser(sub) -> None:
     p.add_argument("--frames", type=int, help="Wan clips: frames from each clip's start (4k+1, e.g. 17 or 33)")
     p.add_argument("--batch", type=int, help="samples per micro-batch (items of one bucket and text length)")
     p.add_argument("--grad-accum", type=int)
-    p.add_argument("--schedule", choices=["auto", "sequential", "gpipe", "1f1b"],
-                   help="order of the micro-batches over the stages (default auto: the best for the plan)")
+    p.add_argument("--schedule", choices=["auto", "sequential", "gpipe", "1f1b", *DISTRIBUTED_ONLY],
+                   help="order of the micro-batches over the stages (default auto: the best for the plan); with "
+                        "--distributed also interleaved-1f1b or zero-bubble (two pipeline stages per rank)")
     p.add_argument("--resume", metavar="DIR", help="continue the run whose output folder is DIR (the same run only)")
     p.add_argument("--out", help="output folder (LoRA, metrics.jsonl, samples/, checkpoints/) of a new run")
     p.add_argument("--overwrite", action="store_true", help="replace an earlier run in --out (default: refuse)")

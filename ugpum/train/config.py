@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..arch import Workload, get_spec, model_ids
+from ..distributed.schedules import DISTRIBUTED_ONLY
 from ..dtypes import TRAINING_DTYPES
 from .flow import TIMESTEP_METHODS
 
@@ -110,7 +111,8 @@ class TrainConfig:
     sample_guidance: float | None = None  # the same input for previews; unset: the model's sampling
                                           # default (4.0, ComfyUI's FLUX.2 template)
     devices: list[str] = field(default_factory=lambda: ["auto"])
-    schedule: str = "auto"                # micro-batch order: auto | sequential | gpipe | 1f1b
+    schedule: str = "auto"                # micro-batch order: auto | sequential | gpipe | 1f1b; distributed runs
+    #                                       also interleaved-1f1b | zero-bubble (two stages per rank)
     save_every: int = 0                   # a checkpoint (and LoRA) every N steps; 0: by time only
     save_every_minutes: float = 10.0      # ... and whenever this much training time passed since the last
                                           # (0: off); every stop saves as well (Ctrl-C, SIGTERM, Cancel, errors)
@@ -165,7 +167,8 @@ class TrainConfig:
              "a number from 0 to 100 (training default 1.0), or leave it unset")
         need(self.sample_guidance is None or 0 <= self.sample_guidance <= 100, "sample_guidance",
              "a number from 0 to 100 (FLUX.2 dev's sampling default is 4.0), or leave it unset")
-        need(self.schedule in ("auto", "sequential", "gpipe", "1f1b"), "schedule", "auto, sequential, gpipe or 1f1b")
+        need(self.schedule in ("auto", "sequential", "gpipe", "1f1b", *DISTRIBUTED_ONLY), "schedule",
+             "auto, sequential, gpipe or 1f1b (with --distributed also interleaved-1f1b or zero-bubble)")
         need(bool(self.devices) and all(d.strip() for d in self.devices), "devices",
              'a list of devices such as ["auto"], ["cuda:0", "cuda:1"] or ["cpu"]')
         need(all(t.strip() for t in self.targets), "targets", "names of layers (substrings of their paths), no empty ones")
@@ -177,10 +180,12 @@ class TrainConfig:
 
     def workload(self) -> Workload:
         """One step's shape, as the planner sees it (text at ComfyUI's padded 512 tokens). An 8-bit
-        base_compute holds the base weights at 1 byte each on the GPUs, as fp8 weights are."""
+        base_compute holds the base weights at 1 byte each on the GPUs, as fp8 weights are. compile=auto
+        is planned as compiled (what it does on a CUDA GPU with Triton; it says so where it cannot)."""
         held = "fp8" if self.base_compute != "bf16" else self.weight_dtype
         return Workload(width=self.resolution, height=self.resolution, frames=self.frames, batch=self.batch,
-                        rank=self.rank, checkpointing=self.checkpointing, weight_dtype=held)
+                        rank=self.rank, checkpointing=self.checkpointing, weight_dtype=held,
+                        compiled=self.compile != "off", base_compute=self.base_compute)
 
 
 # Built-in profiles: the settings a newcomer starts from.

@@ -18,7 +18,7 @@ import torch
 
 from ..arch import get_spec
 from ..formats.atomic import atomic_path, write_json_atomic
-from ..base_compute import use_8bit_base
+from ..base_compute import QuantiseAsLoaded, check_devices, use_8bit_base
 from ..checkpointing import checkpoint_blocks
 from ..compile import compile_blocks, compile_stats
 from ..devices import resolve_devices
@@ -238,13 +238,22 @@ def prepare_model(cfg: TrainConfig, spec, plan: Plan, model, key_prefix: str = "
         raise TrainingError(f"base_compute = {cfg.base_compute} does not work with block swap yet (this plan swaps "
                             f"{len(plan.offloaded_blocks)} blocks); use base_compute = bf16, or more GPU memory")
     on_meta = any(p.is_meta for p in model.parameters())     # streamed from its file: dropped after
-    placement = place_by_plan(model, plan, spec.tail_modules, cfg.model_file, key_prefix, dtype)
     block_paths = [b.path for b in spec.blocks]
     linears = [b.linears for b in spec.blocks]
+    base_linears = lora_targets(block_paths, linears)
+    quantise = None
+    if on_meta and cfg.base_compute != "bf16":     # 8-bit as each weight arrives: the bf16 base never lands whole
+        check_devices(cfg.base_compute, [s.torch_device for s in plan.stages])
+        quantise = QuantiseAsLoaded(base_linears, cfg.base_compute)
+        model.requires_grad_(False)               # the base is frozen anyway (attach_lora); 8-bit needs it now
+    placement = place_by_plan(model, plan, spec.tail_modules, cfg.model_file, key_prefix, dtype, on_weight=quantise)
     lora = attach_lora(model, lora_targets(block_paths, linears, tuple(cfg.targets)), cfg.rank, cfg.alpha,
                        seed=cfg.seed)
-    undo_8bit = use_8bit_base(model, lora_targets(block_paths, linears), cfg.base_compute, log,
-                              keep="none" if on_meta else "cpu")   # streamed from its file: no copy to keep
+    if quantise is not None:
+        log(quantise.summary())
+        undo_8bit = lambda: None                 # noqa: E731 - nothing to put back: the model is dropped after
+    else:
+        undo_8bit = use_8bit_base(model, base_linears, cfg.base_compute, log, keep="cpu")
     guards = guard_inplace_residuals(model, include_rms=False)
     undo_compile = compile_blocks(model, block_paths, cfg.compile, log)
     undo_ckpt = checkpoint_blocks(model, block_paths) if cfg.checkpointing else (lambda: None)
