@@ -17,7 +17,8 @@ DT = {torch.bfloat16: "BF16", torch.float8_e4m3fn: "F8_E4M3", torch.float32: "F3
 
 
 def header_only(path, shapes: dict, dtype=torch.bfloat16):
-    """A safetensors header with no data behind it: enough for anything that reads only headers."""
+    """A safetensors header with a sparse (unwritten) data section of the right size: enough for anything
+    that reads only headers (recognise checks the header against the file's size)."""
     header, offset = {}, 0
     for name, shape in shapes.items():
         dt = dtype if len(shape) == 2 else torch.bfloat16        # fp8 files keep norms/biases in bf16
@@ -25,7 +26,9 @@ def header_only(path, shapes: dict, dtype=torch.bfloat16):
         header[name] = {"dtype": DT[dt], "shape": list(shape), "data_offsets": [offset, offset + n]}
         offset += n
     raw = json.dumps(header).encode()
-    path.write_bytes(struct.pack("<Q", len(raw)) + raw)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        f.truncate(8 + len(raw) + offset)
     return path
 
 

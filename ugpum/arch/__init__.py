@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..formats.safetensors_header import Header, read_header
+from ..formats.safetensors_header import Header, check_file
 from . import flux2, wan
 from .base import ArchSpec, BlockSpec, LinearSpec, Workload
 
@@ -45,8 +45,9 @@ def weight_dtype(header: Header) -> str:
 
 
 def recognise(path: str | Path) -> tuple[ArchSpec, str, str]:
-    """(spec, key prefix, weight dtype) of a DiT checkpoint, from its header alone."""
-    header = read_header(path)
+    """(spec, key prefix, weight dtype) of a DiT checkpoint, from its header alone (checked against the
+    file's size, so a truncated or inconsistent file is named here, before any work starts)."""
+    header = check_file(path)
     shapes, prefix = strip_prefix(header.shapes())
     for fam in FAMILIES:
         spec = fam.recognise(shapes, Path(path).name)
