@@ -16,7 +16,7 @@ from PIL import Image
 
 from ugpum.devices import CPU_TRAINABLE_PARAMS
 from ugpum.train.flow import TIMESTEP_METHODS
-from ugpum.train.dataset import IMAGE_EXTENSIONS
+from ugpum.train.dataset import IMAGE_EXTENSIONS, resolve_inside
 from ugpum.train.video import folder_has_clips
 
 from .errors import UGPUMError, user_errors
@@ -58,18 +58,20 @@ def dataset_choices() -> list[str]:
     return choices
 
 
-def dataset_path(choice: str) -> Path:
-    """The folder or TOML file a dataset choice names; never outside demo_datasets/ or input/."""
+def dataset_path(choice: str) -> tuple[Path, Path]:
+    """(the folder or TOML file a dataset choice names, the folder every path it names must stay in:
+    demo_datasets/ or ComfyUI's input/). A symlink pointing elsewhere is refused, saying so."""
     if choice.startswith(DEMO_PREFIX):
         root, name = DEMO_DIR, choice[len(DEMO_PREFIX):]
     elif choice.startswith(INPUT_PREFIX):
         root, name = Path(folder_paths.get_input_directory()), choice[len(INPUT_PREFIX):]
     else:
         raise UGPUMError(f"{NODE}: unknown dataset {choice!r}; pick one from the list.")
-    path = (root / name).resolve()
-    if path.parent != root.resolve() or not path.exists():
+    with user_errors(NODE):
+        path = resolve_inside(root, name, f"dataset {choice!r}")
+    if not path.exists():
         raise UGPUMError(f"{NODE}: dataset {choice!r} is not there any more; refresh the list (press R).")
-    return path
+    return path, root
 
 
 def lora_save_path(save_name: str) -> tuple[Path, str]:
@@ -102,15 +104,18 @@ def make_encoders(model: UGPUMModel, clip, vae, devices=None):
 
 def make_config(model: UGPUMModel, plan: UGPUMPlan, dataset: Path, trigger_word: str, steps: int,
                 learning_rate: float, alpha: float, seed: int, sample_prompt: str, sample_every: int,
-                save_name: str, frame_stride: int = 1, timesteps: str = "auto", compile: str = "auto"):
-    """The Planner's TrainConfig (ugpum/train/config.py) with this node's settings added."""
+                save_name: str, frame_stride: int = 1, timesteps: str = "auto", compile: str = "auto",
+                dataset_root: Path | None = None):
+    """The Planner's TrainConfig (ugpum/train/config.py) with this node's settings added; every path the
+    dataset names must lie inside `dataset_root` (dataset_path's root)."""
     from ugpum.devices import check_trainable
     check_trainable(list(plan.devices), model.spec)
     return dataclasses.replace(
         plan.config, dataset=str(dataset), trigger=trigger_word.strip(), frame_stride=frame_stride, steps=steps,
         lr=learning_rate, alpha=alpha, seed=seed % 2**32, sample_every=sample_every,
         sample_prompt=sample_prompt.strip(), output_name=save_name.strip().removesuffix(".safetensors"),
-        timesteps=timesteps, compile=compile, devices=[d.torch_device for d in plan.devices], schedule=plan.plan.schedule).validate()
+        timesteps=timesteps, compile=compile, devices=[d.torch_device for d in plan.devices], schedule=plan.plan.schedule,
+        dataset_root=str(dataset_root) if dataset_root else None).validate()
 
 
 def _publish(src: Path, dest: Path) -> None:
@@ -225,12 +230,12 @@ class LoRATrainer(io.ComfyNode):
         if plan.model.path != model.path:
             raise UGPUMError(f"{NODE}: the plan was made for {plan.model.file_name}, not {model.file_name}; "
                              "connect the same UGPUM Loader to the Partition Planner and the trainer.")
-        data = dataset_path(dataset)
+        data, root = dataset_path(dataset)
         dest, lora_name = lora_save_path(save_name)
         out = run_folder(save_name)
         with user_errors(NODE):
             cfg = make_config(model, plan, data, trigger_word, steps, learning_rate, alpha, seed,
-                              sample_prompt, sample_every, save_name, frame_stride, timesteps, compile)
+                              sample_prompt, sample_every, save_name, frame_stride, timesteps, compile, root)
             encoders = make_encoders(model, clip, vae, cfg.devices)
         resumed = resume and latest_checkpoint(out) is not None        # nothing saved yet: start over
         if not resumed:                                  # a new run never replaces an earlier one

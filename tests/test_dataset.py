@@ -18,7 +18,8 @@ from ugpum.train.dataset import (
     load_image_folder,
     resolve_inside,
 )
-from ugpum.train.musubi_toml import load_musubi_toml
+from ugpum.train.config import TrainConfig
+from ugpum.train.musubi_toml import check_inside, load_musubi_toml
 
 
 def make_image(path: Path, size=(64, 48), color=(200, 30, 30), caption: str | None = "a photo"):
@@ -376,8 +377,35 @@ def test_resolve_inside_rejects_symlink_escape(tmp_path):
     root.mkdir()
     (tmp_path / "secret").mkdir()
     os.symlink(tmp_path / "secret", root / "link")
-    with pytest.raises(DatasetError, match="link"):
+    with pytest.raises(DatasetError, match="path 'link' is or passes through a symlink to .*secret, outside the "
+                                           "allowed folder .*copy the files into that folder"):
         resolve_inside(root, "link")
+
+
+def test_a_dataset_root_confines_every_path_the_dataset_names(tmp_path):
+    """The command line reads any folder (no dataset_root); the nodes set one (ComfyUI's input/): then a
+    TOML's directories, and every image and clip folder inside, must resolve inside it."""
+    root, outside = tmp_path / "input", tmp_path / "outside"
+    make_image(outside / "a.png")
+    make_image(root / "own" / "a.png")
+    toml = root / "set.toml"
+    toml.write_text('[[datasets]]\nimage_directory = "../outside"\nresolution = 64\nenable_bucket = true\n')
+    assert len(load_musubi_toml(toml)) == 1
+    assert TrainConfig(dataset=str(toml), resolution=64).validate()               # the command line
+    with pytest.raises(DatasetError, match=r"set.toml \[\[datasets\]\] #1: image_directory '../outside' resolves "
+                                           r"to .*outside, outside the allowed folder"):
+        TrainConfig(dataset=str(toml), resolution=64, dataset_root=str(root)).validate()
+    toml.write_text('[[datasets]]\nimage_directory = "own"\n')
+    assert TrainConfig(dataset=str(toml), resolution=64, dataset_root=str(root)).validate()
+    os.symlink(outside / "a.png", root / "own" / "b.png")                           # a linked image inside
+    with pytest.raises(DatasetError, match="b.png in dataset folder .*own is or passes through a symlink"):
+        check_inside(root / "own", root)
+    (root / "own" / "b.png").unlink()
+    make_image(outside / "clip" / "0001.png")
+    (root / "own" / "clip").mkdir()
+    os.symlink(outside / "clip" / "0001.png", root / "own" / "clip" / "0001.png")  # a linked frame of a clip
+    with pytest.raises(DatasetError, match="0001.png in clip folder .*clip is or passes through a symlink"):
+        check_inside(toml, root)
 
 
 # ---------------------------------------------------------------- caption dropout

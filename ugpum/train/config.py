@@ -79,6 +79,8 @@ class TrainConfig:
     model: str = "tiny-flux2"             # model id (see `python -m ugpum plan --help`)
     model_file: str = ""                  # the DiT .safetensors; empty: random weights (tiny models only)
     dataset: str = ""                     # image or clip (Wan) folder, or a musubi-tuner dataset .toml
+    dataset_root: str | None = None       # every path the dataset names must lie inside this folder (the
+                                          # nodes: ComfyUI's input/); unset: any folder (the command line)
     trigger: str = ""                     # prepended to every caption
     resolution: int = 1024
     frames: int = 1                       # Wan clips: 4k+1 frames from each clip's start
@@ -129,7 +131,8 @@ class TrainConfig:
 
     def validate(self) -> "TrainConfig":
         """Every setting's type, then its range (against the model where it matters), as one sentence
-        naming the setting; the same for the command line, a TOML config and the nodes."""
+        naming the setting; the same for the command line, a TOML config and the nodes. With a
+        dataset_root, every path the dataset names must lie inside it (DatasetError otherwise)."""
         for f in dataclasses.fields(self):
             problem = _type_problem(getattr(self, f.name), f.type)
             if problem and f.name in _LIST_EXAMPLES:
@@ -176,6 +179,9 @@ class TrainConfig:
              and not self.output_name.startswith("."), "output_name", "a plain file name, no folders")
         need(self.compile in ("auto", "on", "off"), "compile", "auto, on or off")
         need(self.base_compute in ("bf16", "fp8", "int8"), "base_compute", "bf16, fp8 or int8")
+        if self.dataset_root is not None and self.dataset:
+            from .musubi_toml import check_inside
+            check_inside(self.dataset, self.dataset_root)        # DatasetError naming the path outside
         return self
 
     def workload(self) -> Workload:

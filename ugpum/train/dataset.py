@@ -8,8 +8,15 @@ training resolution squared, so batches of one bucket share a shape and nothing 
 
 from __future__ import annotations
 
+import contextlib
 import math
+import mmap
+import os
 import random
+import re
+import struct
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,18 +46,22 @@ Resolution = int | tuple[int, int]
 # ---------------------------------------------------------------- folder confinement
 
 
-def resolve_inside(root: Path | str, relative: Path | str) -> Path:
-    """`root / relative` fully resolved; raises DatasetError if it lands outside `root`.
+def resolve_inside(root: Path | str, relative: Path | str, what: str = "") -> Path:
+    """`root / relative` fully resolved; raises DatasetError if it lands outside `root`, naming `what`
+    (default: the path) and why: the path itself, or a symlink on the way.
 
     Resolving first means `..` and symlinks are judged by where they really point.
     """
     root_resolved = Path(root).resolve()
     candidate = (root_resolved / relative).resolve()
     if not candidate.is_relative_to(root_resolved):
-        raise DatasetError(
-            f"path {str(relative)!r} resolves to {candidate}, outside the allowed folder "
-            f"{root_resolved}; use a path inside that folder"
-        )
+        label = what or f"path {str(relative)!r}"
+        named = Path(os.path.normpath(root_resolved / relative))
+        if named.is_relative_to(root_resolved):
+            raise DatasetError(f"{label} is or passes through a symlink to {candidate}, outside the allowed folder "
+                               f"{root_resolved}; copy the files into that folder rather than linking them")
+        raise DatasetError(f"{label} resolves to {candidate}, outside the allowed folder {root_resolved}; use a "
+                           "path inside that folder")
     return candidate
 
 
@@ -112,15 +123,109 @@ def choose_bucket(
 
 # ---------------------------------------------------------------- reading files
 
+# Bounds on a training picture, checked from its header before any pixel is decoded:
+# - at most 64 megapixels (8192 x 8192): the largest training resolution (4096²) is a quarter of that, so
+#   nothing larger adds detail, while decoding it needs 192 MB and more per copy; it is also below
+#   Pillow's own decompression-bomb warning (89 MP), so a header claiming more is refused by name here
+#   whatever Pillow's limit is set to (ComfyUI or another pack may raise or disable it).
+# - at least 16 pixels a side: one latent patch (8x VAE, then 2x2 patches), the smallest bucket side.
+#   Smaller, the picture holds not one token of its own at any resolution (a favicon, a spacer pixel);
+#   larger small pictures stay allowed: the tiny test models train on 64x48 images.
+MAX_IMAGE_PIXELS = 64 * 2**20
+MIN_IMAGE_SIDE = 16
+_TURNED = (5, 6, 7, 8)        # EXIF orientations that swap width and height
+_EOI, _SOS = b"\xff\xd9", b"\xff\xda"
+
+
+@contextlib.contextmanager
+def _opened(path: Path) -> Iterator[Image.Image]:
+    """Image.open with its header checked: Pillow's decompression-bomb warning and error, and the size
+    bounds above, become a DatasetError naming the file before any pixel is decoded."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            image = Image.open(path)
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as error:
+        claimed = re.search(r"\((\d+) pixels\)", str(error))
+        size = f" ({int(claimed[1]) / 1e6:.0f} megapixels)" if claimed else ""
+        raise DatasetError(f"image {path} claims more pixels{size} than Pillow decodes safely (a possible "
+                           f"decompression bomb); scale it down to at most {MAX_IMAGE_PIXELS // 2**20} megapixels "
+                           "or remove it") from None
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as error:
+        raise DatasetError(
+            f"cannot read image {path}: {error}; re-save it as PNG or JPEG, or remove it"
+        ) from error
+    with image:
+        width, height = image.size
+        if width * height > MAX_IMAGE_PIXELS:
+            raise DatasetError(f"image {path} is {width}x{height} ({width * height / 1e6:.0f} megapixels), more "
+                               f"than the {MAX_IMAGE_PIXELS // 2**20} megapixels UGPUM decodes (training uses at "
+                               "most 4096x4096); scale it down or remove it")
+        if min(width, height) < MIN_IMAGE_SIDE:
+            raise DatasetError(f"image {path} is {width}x{height}, under {MIN_IMAGE_SIDE} pixels on a side (less than "
+                               "one latent patch: nothing to train on); use a larger image or remove it")
+        yield image
+
+
+def _orientation(image: Image.Image) -> int:
+    """The EXIF orientation a header gives (1: upright). A PNG's EXIF is read only when it precedes the
+    pixels: Pillow would decode the whole image to look for one after them."""
+    if image.format == "PNG" and "exif" not in image.info:
+        return 1
+    try:
+        return int(image.getexif().get(0x0112, 1))
+    except Exception:  # noqa: BLE001 - a damaged EXIF block is ignored, as exif_transpose does
+        return 1
+
+
+def _complete(image: Image.Image, path: Path) -> bool | None:
+    """Whether the file holds all its pixel data, judged without decoding it (None: cannot tell cheaply).
+    PNG: every chunk's CRC up to IEND. JPEG: an end-of-image marker after the first scan (0xFF 0xD9
+    cannot occur inside entropy-coded data). Uncompressed BMP: the file is as long as its rows."""
+    try:
+        if image.format == "PNG":
+            image.verify()
+            return True
+        if image.format in ("JPEG", "MPO"):
+            with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+                scan = data.find(_SOS)
+                return scan >= 0 and data.find(_EOI, scan) >= 0
+        if image.format == "BMP" and len(image.tile) == 1 and image.tile[0][0] == "raw":
+            tile = image.tile[0]
+            row = tile[3][1] if isinstance(tile[3], tuple) and len(tile[3]) > 1 else 0
+            return bool(row) and path.stat().st_size >= tile[2] + row * image.size[1]
+        return True if image.format == "WEBP" else None      # libwebp refuses a cut file when it opens it
+    except (OSError, SyntaxError, ValueError, struct.error) as error:
+        raise DatasetError(f"cannot read image {path}: {error}; re-save it as PNG or JPEG, or remove it") from error
+
+
+def image_size(path: Path) -> tuple[int, int]:
+    """The upright (width, height) of an image file, from its header: no pixel is decoded (they are
+    decoded once, when the latent is made), except for a rare format whose completeness cannot be told
+    from the file's structure. A file that is cut short, a decompression bomb, or a picture outside the
+    bounds above is a DatasetError naming it."""
+    with _opened(path) as image:
+        width, height = image.size
+        turned = _orientation(image) in _TURNED
+        complete = _complete(image, path)
+    if complete is None:
+        return _open_rgb(path).size
+    if not complete:
+        raise DatasetError(f"cannot read image {path}: the file is truncated (it ends before its image data "
+                           "does); re-save it as PNG or JPEG, or remove it")
+    return (height, width) if turned else (width, height)
+
 
 def _open_rgb(path: Path) -> Image.Image:
     """Decode the whole image (so truncated files fail here), upright per EXIF, as RGB."""
     try:
-        with Image.open(path) as image:
+        with _opened(path) as image:
             image.load()
             upright = ImageOps.exif_transpose(image)
             return upright.convert("RGB")
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as error:
+        if isinstance(error, DatasetError):
+            raise
         raise DatasetError(
             f"cannot read image {path}: {error}; re-save it as PNG or JPEG, or remove it"
         ) from error
@@ -249,7 +354,8 @@ def load_image_folder(
                 f"add one (it may be empty) or remove the image"
             )
         caption = _with_trigger(_read_caption(caption_path), trigger)
-        bucket = fixed or bucket_for(_open_rgb(image_path).size, resolution, bucket_no_upscale, f"image {image_path}")
+        size = image_size(image_path)                   # header only: the pixels are decoded once, for the latent
+        bucket = fixed or bucket_for(size, resolution, bucket_no_upscale, f"image {image_path}")
         items.extend(ImageItem(image_path, caption, bucket, batch_size) for _ in range(repeats))
     return items
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from ..arch.base import WAN_FPS
 from .dataset import (DatasetError, ImageItem, Resolution, _check_bool, _check_caption_ext, _check_positive_int,
-                      _check_resolution, load_image_folder)
+                      _check_resolution, load_image_folder, resolve_inside)
 
 _COMMON_KEYS = {"caption_extension", "resolution", "batch_size", "num_repeats", "enable_bucket", "bucket_no_upscale"}
 _IMAGE_KEYS = {"image_directory"}
@@ -61,25 +61,7 @@ def load_musubi_toml(path: Path | str, trigger: str = "", family: str = "flux2",
     default; `stride` applies to video datasets without source_fps; no bucket may exceed
     `resolution`'s area (None: no limit). A relative directory is taken from the TOML's folder."""
     path = Path(path)
-    try:
-        config = tomllib.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError as error:
-        raise DatasetError(f"dataset config {path} does not exist; check the path") from error
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
-        raise DatasetError(f"dataset config {path} is not valid TOML: {error}") from error
-
-    for key in config:
-        if key not in ("general", "datasets"):
-            raise DatasetError(f"dataset config {path}: unknown section {key!r}; use [general] and [[datasets]]")
-    general = config.get("general", {})
-    datasets = config.get("datasets", [])
-    if not isinstance(general, dict):
-        raise DatasetError(f"dataset config {path}: [general] must be a table")
-    if not isinstance(datasets, list) or not datasets or not all(isinstance(d, dict) for d in datasets):
-        raise DatasetError(f"dataset config {path}: needs at least one [[datasets]] table with image_directory "
-                           "or video_directory")
-    _check_table_keys(general, _COMMON_KEYS, f"dataset config {path} [general]")
-
+    general, datasets = _read(path)
     items: list[ImageItem] = []
     for index, dataset in enumerate(datasets):
         where = f"dataset config {path} [[datasets]] #{index + 1}"
@@ -114,6 +96,52 @@ def load_musubi_toml(path: Path | str, trigger: str = "", family: str = "flux2",
         _check_area(found, resolution, where)
         items += found
     return items
+
+
+def _read(path: Path) -> tuple[dict, list[dict]]:
+    """([general], [[datasets]]) of a dataset TOML, its sections and [general]'s keys checked."""
+    try:
+        config = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError as error:
+        raise DatasetError(f"dataset config {path} does not exist; check the path") from error
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
+        raise DatasetError(f"dataset config {path} is not valid TOML: {error}") from error
+
+    for key in config:
+        if key not in ("general", "datasets"):
+            raise DatasetError(f"dataset config {path}: unknown section {key!r}; use [general] and [[datasets]]")
+    general = config.get("general", {})
+    datasets = config.get("datasets", [])
+    if not isinstance(general, dict):
+        raise DatasetError(f"dataset config {path}: [general] must be a table")
+    if not isinstance(datasets, list) or not datasets or not all(isinstance(d, dict) for d in datasets):
+        raise DatasetError(f"dataset config {path}: needs at least one [[datasets]] table with image_directory "
+                           "or video_directory")
+    _check_table_keys(general, _COMMON_KEYS, f"dataset config {path} [general]")
+    return general, datasets
+
+
+def check_inside(dataset: Path | str, root: Path | str) -> None:
+    """Where a dataset may only be read inside `root` (the nodes: ComfyUI's input/ folder), every path it
+    names resolves there: the dataset folder or TOML, each image_directory and video_directory of a TOML,
+    and every file and clip folder in those folders (a symlink counts where it points). DatasetError
+    names the path and why otherwise. The command line reads any folder its user names."""
+    path = resolve_inside(root, dataset, f"dataset {dataset}")
+    folders = [path]
+    if path.suffix == ".toml" and path.is_file():
+        for index, table in enumerate(_read(path)[1]):
+            where = f"dataset config {path} [[datasets]] #{index + 1}"
+            for key in ("image_directory", "video_directory"):
+                if key in table:
+                    named = _directory(table, key, where)
+                    folders.append(resolve_inside(root, path.parent / named, f"{where}: {key} {named!r}"))
+    def entries(folder: Path) -> list[Path]:
+        return sorted(folder.iterdir()) if folder.is_dir() else []
+    for folder in folders:
+        for entry in entries(folder):
+            inside = resolve_inside(root, entry, f"{entry.name} in dataset folder {folder}")
+            for frame in entries(inside):                     # a clip's folder of frames
+                resolve_inside(root, frame, f"{frame.name} in clip folder {inside}")
 
 
 def _check_area(items: list[ImageItem], resolution: Resolution | None, where: str) -> None:

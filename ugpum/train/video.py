@@ -22,7 +22,7 @@ from PIL import Image
 
 from .dataset import (DatasetError, ImageItem, Resolution, _check_positive_int, _list_images, _open_rgb,
                       _read_caption, _with_trigger, bucket_for, checked_folder_settings, fit_to_bucket,
-                      fixed_bucket, load_image_folder)
+                      fixed_bucket, image_size, load_image_folder)
 
 VIDEO_EXTENSIONS = (".mp4", ".webm", ".mkv", ".mov")
 
@@ -136,12 +136,38 @@ def read_frames(source: Path, frames: int, stride: int = 1, settings: tuple[str,
                 taken.append(image)
             if count == needed:
                 return taken
+    raise _too_short(source, count, frames, stride, settings)
+
+
+def _too_short(source: Path, count: int, frames: int, stride: int, settings: tuple[str, str]) -> DatasetError:
+    needed = 1 + (frames - 1) * stride
     kind = "frame folder" if source.is_dir() else "video"
     per_clip = f"{frames} frames" + (f" at stride {stride} ({needed} frames)" if stride > 1 else "")
     fits = 1 + (max(count - 1, 0) // stride) // 4 * 4                 # the most 4k+1 frames it holds
     hint = f"set {settings[0]} to {fits} or fewer" if fits >= 5 else "use a longer clip"
-    raise DatasetError(f"{kind} {source} has {count} frame(s), but training takes {per_clip} from its start; "
-                       f"{hint}{f', lower {settings[1]}' if stride > 1 else ''}, or remove the clip")
+    return DatasetError(f"{kind} {source} has {count} frame(s), but training takes {per_clip} from its start; "
+                        f"{hint}{f', lower {settings[1]}' if stride > 1 else ''}, or remove the clip")
+
+
+def first_frame_size(source: Path, frames: int, stride: int = 1,
+                     settings: tuple[str, str] = ("frames", "the frame stride")) -> tuple[int, int]:
+    """The (width, height) of a clip's first frame, once the clip is known to hold the frames training
+    takes. A frame folder is judged from its file names and its frames' headers (every frame taken must
+    have the first one's size): its pixels are decoded once, for the latent. A video is decoded up to
+    those frames (its frame count is known only by decoding)."""
+    if not source.is_dir():
+        return read_frames(source, frames, stride, settings)[0].size
+    paths = numbered_frames(source)
+    needed = 1 + (frames - 1) * stride
+    if len(paths) < needed:
+        raise _too_short(source, len(paths), frames, stride, settings)
+    size = image_size(paths[0])
+    for p in paths[1:needed]:
+        other = image_size(p)
+        if other != size:
+            raise DatasetError(f"frame folder {source}: {p.name} is {other[0]}x{other[1]}, the frames "
+                               f"before it {size[0]}x{size[1]}; give every frame one size")
+    return size
 
 
 def load_bucketed_clip(item: ClipItem) -> torch.Tensor:
@@ -228,8 +254,8 @@ def clip_items(
             raise DatasetError(f"clip {clip} has no caption file {caption_path.name}; "
                                "add one (it may be empty) or remove the clip")
         caption = _with_trigger(_read_caption(caption_path), trigger)
-        first = read_frames(clip, frames, stride, settings)[0]
-        bucket = fixed or bucket_for(first.size, resolution, bucket_no_upscale, f"clip {clip}")
+        first = first_frame_size(clip, frames, stride, settings)
+        bucket = fixed or bucket_for(first, resolution, bucket_no_upscale, f"clip {clip}")
         items.extend(ClipItem(clip, caption, bucket, batch_size, frames, stride) for _ in range(repeats))
     return items
 

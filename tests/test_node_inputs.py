@@ -1,0 +1,110 @@
+"""The LoRA Trainer node reads datasets only inside ComfyUI's input/ folder (issue 15), in a real
+ComfyUI server: a musubi dataset TOML in input/ whose image_directory points outside (absolute, or
+through ..), and a folder in input/ that is a symlink to one outside, are refused with a sentence that
+says why, before anything is written; a TOML whose folder lies inside input/ trains. The Partition
+Planner's settings are checked against the model as the command line's are."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from support.comfy_server import REPO, comfy_server_factory, execution_error  # noqa: F401  (fixture)
+
+TINY_FILE = "tiny-flux2.safetensors"
+LORANNE = REPO / "demo_datasets" / "loranne"
+
+
+def write_tiny(path: Path) -> None:
+    """A real-format tiny FLUX.2 file: ComfyUI's own module's state dict (q/k norm scales under the
+    files' '.scale' names), seeded random values."""
+    from safetensors.torch import save_file
+
+    from comfy_bridge import build_random
+    from ugpum.arch import get_spec
+    state = build_random(get_spec("tiny-flux2"), torch.float32).state_dict()
+    save_file({k.removesuffix("norm.weight") + "norm.scale" if k.endswith(("query_norm.weight", "key_norm.weight"))
+               else k: v.contiguous() for k, v in state.items()}, str(path))
+
+
+def copy_images(dest: Path, count: int = 2) -> None:
+    dest.mkdir(parents=True)
+    for image in sorted(LORANNE.glob("*.jpg"))[:count]:
+        shutil.copy(image, dest / image.name)
+        shutil.copy(image.with_suffix(".txt"), dest / image.with_suffix(".txt").name)
+
+
+def prepare(models: Path, input_dir: Path) -> None:
+    write_tiny(models / "diffusion_models" / TINY_FILE)
+    outside = input_dir.parent.parent / "outside"                  # next to ComfyUI's base folder
+    copy_images(outside)
+    (input_dir / "escape_absolute.toml").write_text(f'[[datasets]]\nimage_directory = "{outside}"\n')
+    (input_dir / "escape_dotdot.toml").write_text('[[datasets]]\nimage_directory = "../../outside"\n')
+    (input_dir / "linked").symlink_to(outside, target_is_directory=True)
+    copy_images(input_dir / "inside_set")
+    (input_dir / "inside_set" / "borrowed.jpg").symlink_to(outside / sorted(p.name for p in outside.glob("*.jpg"))[0])
+    (input_dir / "inside_set" / "borrowed.txt").write_text("loranne")
+    copy_images(input_dir / "own_set")
+    (input_dir / "inside.toml").write_text('[[datasets]]\nimage_directory = "own_set"\nresolution = 64\n'
+                                           "enable_bucket = true\n")
+
+
+@pytest.fixture(scope="module")
+def server(comfy_server_factory):
+    return comfy_server_factory(prepare=prepare)
+
+
+def training(dataset: str, save_name: str, rank: int = 4) -> dict:
+    """Loader -> Planner -> Trainer on the tiny FLUX.2 (CPU, 64 px, stand-in encoders), one step."""
+    return {
+        "1": {"class_type": "UGPUMLoader", "inputs": {"dit_name": TINY_FILE, "weight_dtype": "as stored",
+                                                       "devices": "auto"}},
+        "2": {"class_type": "UGPUMPartitionPlanner",
+              "inputs": dict(model=["1", 0], resolution=64, batch=1, grad_accum=1, rank=rank, checkpointing="block")},
+        "3": {"class_type": "UGPUMLoRATrainer",
+              "inputs": dict(model=["1", 0], plan=["2", 0], dataset=dataset, trigger_word="loranne", steps=1,
+                             learning_rate=1e-3, alpha=4.0, seed=1, sample_prompt="loranne", sample_every=0,
+                             save_name=save_name)},
+    }
+
+
+def refusal(server, prompt: dict, node: str) -> str:
+    entry = server.run(prompt, timeout=120)
+    error = execution_error(entry)
+    assert error is not None, json.dumps(entry["status"], indent=1) + server.log_tail()
+    assert error["node_id"] == node and error["exception_type"].endswith("UGPUMError"), error
+    message = error["exception_message"].strip()
+    assert "\n" not in message and message.endswith(".") and "Traceback" not in message, message
+    return message
+
+
+@pytest.mark.parametrize("dataset, named", [
+    ("input/escape_absolute.toml", "image_directory '{outside}' resolves to {outside}"),
+    ("input/escape_dotdot.toml", "image_directory '../../outside' resolves to {outside}"),
+    ("input/linked", "dataset 'input/linked' is or passes through a symlink to {outside}"),
+    ("input/inside_set", "borrowed.jpg in dataset folder {input}/inside_set is or passes through a symlink"),
+], ids=["toml-absolute", "toml-dotdot", "symlinked-folder", "symlinked-image"])
+def test_a_dataset_reaching_outside_input_is_refused_saying_why(server, dataset, named):
+    save_name = "escape_" + dataset.split("/")[1].split(".")[0]
+    message = refusal(server, training(dataset, save_name), "3")
+    input_dir = server.input_dir.resolve()
+    assert message.startswith("LoRA Trainer: "), message
+    assert named.format(outside=input_dir.parent.parent / "outside", input=input_dir) in message, message
+    assert f"outside the allowed folder {input_dir}" in message and "not there any more" not in message, message
+    assert not (server.output_dir / "ugpum" / save_name).exists()                 # nothing was written
+    assert not (server.base / "models" / "loras" / "ugpum" / f"{save_name}.safetensors").exists()
+
+
+def test_a_dataset_toml_inside_input_trains(server):
+    entry = server.run(training("input/inside.toml", "inside_toml"), timeout=300)
+    error = execution_error(entry)
+    assert error is None and entry["status"]["status_str"] == "success", json.dumps(error, indent=1)
+    assert (server.base / "models" / "loras" / "ugpum" / "inside_toml.safetensors").is_file()
+
+
+def test_the_planners_rank_is_checked_against_the_model(server):
+    message = refusal(server, training("input/inside.toml", "rank_too_high", rank=128), "2")
+    assert "setting 'rank' = 128: must be at most 64, the smallest layer a LoRA on tiny-flux2 adapts" in message
