@@ -22,6 +22,8 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Callable
 
+from .formats.atomic import honour_umask
+
 log = logging.getLogger(__name__)
 
 GIB = 1024**3
@@ -546,6 +548,7 @@ def _write_json_atomically(path: Path, data: dict) -> None:
     try:
         with os.fdopen(fd, "w") as out:
             json.dump(data, out, indent=1, sort_keys=True)
+        honour_umask(tmp)                       # mkstemp makes 0600
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..formats.atomic import write_json_atomic
+from ..formats.atomic import honour_umask, write_json_atomic
 from .lora import LoraSet
 
 LATEST = "latest.json"
@@ -140,6 +140,7 @@ def _write_checkpoint(tmp: Path, final: Path, step: int, lora: LoraSet, optimize
         save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
         groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
         (tmp / "state.json").write_text(json.dumps({"step": step, "param_groups": groups, **extra}, indent=1))
+        honour_umask(tmp / "lora.safetensors", tmp / "optimizer.safetensors")     # safetensors writes 0600
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
