@@ -7,6 +7,7 @@ ComfyUI's own loaders, as the stock CLIPLoader and VAELoader load them.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -171,6 +172,26 @@ def run_training(cfg: TrainConfig, out: str | Path, files: ModelFiles | None = N
         return train(cfg, out, model=model, encoders=encoders, key_prefix=key_prefix, **hooks)
 
 
+def check_out_folder(out: str, flag: str) -> None:
+    """Refuse, before any work, an output folder that cannot be made or written in: one sentence with
+    the fix. The folder itself is made only by the run."""
+    path = Path(out).expanduser().absolute()
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"{flag} {out} is a file, not a folder; give {flag} a folder (it is made if missing)")
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise UsageError(f"{flag} {out}: {existing} is a file, so no folder can be made inside it; give {flag} "
+                         "a path under a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        if hasattr(os, "statvfs") and os.statvfs(existing).f_flag & os.ST_RDONLY:
+            raise UsageError(f"{flag} {out}: {existing} is on a read-only filesystem; give {flag} a folder on a "
+                             "writable disk")
+        raise UsageError(f"{flag} {out}: this user cannot write in {existing} (permission denied); give {flag} a "
+                         f"folder you can write to, or make it writable (chmod u+w {existing})")
+
+
 def run_train(args) -> int:
     if args.resume and args.out and Path(args.resume).resolve() != Path(args.out).resolve():
         raise UsageError(f"--resume {args.resume} continues the run in that folder; drop --out {args.out} "
@@ -180,6 +201,7 @@ def run_train(args) -> int:
     out = args.resume or args.out
     if not out:
         raise UsageError("give --out DIR (or --resume DIR to continue a run)")
+    check_out_folder(out, "--resume" if args.resume else "--out")
     cfg = config_from_args(args)
     if not cfg.dataset:
         raise UsageError("no dataset: give --dataset DIR (or set dataset in the config)")
