@@ -324,4 +324,46 @@ def _explain_failure(spec, devices, w, grad_accum, in_flight) -> str:
             f"device would still hold {floor / GIB:.1f} GiB (embedders, LoRA, optimizer state, activations), "
             f"the largest budget is {biggest / GIB:.1f} GiB ({missing:.1f} GiB short; pooled budget "
             f"{pooled:.1f} GiB). "
-            + (f"Would fit with: {'; '.join(tries)}." if tries else "Nothing simple would fit."))
+            + (f"Would fit with: {'; '.join(tries)}." if tries else _what_would_fit(spec, devices, w, grad_accum,
+                                                                                       in_flight)))
+
+
+LARGEST_GPU_GIB = 512           # the search's end: beyond any one GPU (B300: 288 GB)
+
+
+def _what_would_fit(spec, devices, w, grad_accum, in_flight) -> str:
+    """The sentence for a run nothing simple fits: the smallest GPU size (whole GiB, as many GPUs) that
+    would hold it; else that size with every memory-saving setting at once; else that nothing would."""
+    def smallest_gib(w2) -> int | None:
+        def fits(gib: int) -> bool:
+            sized = [dataclasses.replace(d, label=f"{gib}GiB", torch_device=None, total_bytes=gib * GIB,
+                                         free_bytes=gib * GIB) for d in devices]
+            return _solve(spec, sized, w2, grad_accum, in_flight) is not None
+        if not fits(LARGEST_GPU_GIB):
+            return None
+        low, high = 1, LARGEST_GPU_GIB                  # memory only helps: bisect for the first size that fits
+        while low < high:
+            mid = (low + high) // 2
+            low, high = (low, mid) if fits(mid) else (mid + 1, high)
+        return low
+
+    def gpus(gib: int) -> str:
+        return (f"a GPU with {gib} GiB" if len(devices) == 1 else f"{len(devices)} GPUs with {gib} GiB each")
+
+    def flag(gib: int) -> str:
+        return f"--gpu {gib}GiB" + ("" if len(devices) == 1 else f" {len(devices)} times")
+    gib = smallest_gib(w)
+    if gib is not None:
+        return f"Nothing simple would fit: {gpus(gib)} would ({flag(gib)})."
+    lean = dataclasses.replace(w, weight_dtype="fp8", checkpointing=True, batch=1,
+                               width=min(w.width, 512), height=min(w.height, 512))
+    changes = [text for text, changed in (
+        ("fp8 weights (--dtype fp8)", w.weight_dtype != "fp8"),
+        ("per-block checkpointing (--checkpointing block)", not w.checkpointing),
+        ("batch 1 (--batch 1)", w.batch > 1),
+        ("resolution 512 (--resolution 512)", max(w.width, w.height) > 512)) if changed]
+    gib = smallest_gib(lean) if changes else None
+    if gib is None:
+        return f"Nothing would fit, not even {gpus(LARGEST_GPU_GIB)}."
+    return (f"Nothing simple would fit, not even {gpus(LARGEST_GPU_GIB)}; with {', '.join(changes)}, "
+            f"{gpus(gib)} would ({flag(gib)}).")
