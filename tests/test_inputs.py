@@ -141,7 +141,7 @@ IMAGES = {
     "over-64-megapixels": ("huge.png", lambda p: png_claiming(p, 9000, 9000), "9000x9000"),
     "4x4": ("speck.png", lambda p: Image.new("RGB", (4, 4)).save(p), "4x4"),
     "truncated-jpeg": ("cut.jpg", lambda p: cut_file(p, "JPEG"), "truncated"),
-    "truncated-png": ("cut.png", lambda p: cut_file(p, "PNG"), "cannot read image"),
+    "truncated-png": ("cut.png", lambda p: cut_file(p, "PNG"), "cut short or damaged"),
 }
 
 

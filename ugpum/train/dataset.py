@@ -196,7 +196,8 @@ def _complete(image: Image.Image, path: Path) -> bool | None:
             return bool(row) and path.stat().st_size >= tile[2] + row * image.size[1]
         return True if image.format == "WEBP" else None      # libwebp refuses a cut file when it opens it
     except (OSError, SyntaxError, ValueError, struct.error) as error:
-        raise DatasetError(f"cannot read image {path}: {error}; re-save it as PNG or JPEG, or remove it") from error
+        raise DatasetError(f"cannot read image {path}: the file is cut short or damaged ({error}); re-save it as "
+                           "PNG or JPEG, or remove it") from error
 
 
 def image_size(path: Path) -> tuple[int, int]:
