@@ -35,7 +35,7 @@ from .checkpoint import (check_same_run, disk_full, header_digest, latest_checkp
                          remove_leftovers, save_checkpoint)
 from .config import TrainConfig
 from .dataset import ImageItem, caption_dropout
-from .musubi_toml import load_musubi_toml
+from .musubi_toml import check_inside, load_musubi_toml
 from .encoders import Encoders
 from .flow import flow_loss, noisy, sample_timesteps, timestep_method
 from .lora import LoraSet, attach_lora, lora_targets
@@ -72,6 +72,8 @@ class TrainResult:
 def load_items(cfg: TrainConfig) -> list[ImageItem]:
     path = Path(cfg.dataset)
     family = get_spec(cfg.model).family
+    if cfg.dataset_root:                 # the nodes: checked again as it is read (a TOML may have changed)
+        check_inside(path, cfg.dataset_root)
     if path.suffix == ".toml":
         return load_musubi_toml(path, cfg.trigger, family, cfg.frames, cfg.frame_stride, cfg.resolution)
     return load_folder(path, family, frames=cfg.frames, stride=cfg.frame_stride,
