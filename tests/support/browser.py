@@ -14,20 +14,15 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
-import json
 import os
 import re
 import shutil
-import subprocess
-import sys
 import tempfile
-import time
-import urllib.error
 from pathlib import Path
 
 import pytest
 
-from support.comfy_server import ComfyServer, ComfyServerError, free_port
+from support.comfy_server import ComfyServer
 
 CHROMIUM = Path(os.environ.get("UGPUM_CHROMIUM", "/usr/bin/chromium"))
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -85,43 +80,6 @@ class FrontendServer(ComfyServer):
     def __init__(self, comfyui: Path, workdir: Path, frontend: Path):
         super().__init__(comfyui, workdir)
         self.frontend = Path(frontend)
-
-    def start(self, timeout: float = 180.0) -> "FrontendServer":
-        from support.comfy_server import PACK_DIR_NAME, MODEL_FOLDERS
-        link = self.base / "custom_nodes" / PACK_DIR_NAME
-        if not link.exists():
-            link.symlink_to(self.pack, target_is_directory=True)
-        config = self.workdir / "extra_model_paths.yaml"
-        lines = ["ugpum_tests:", f"  base_path: {json.dumps(str(self.models))}"]
-        lines += [f"  {folder}: {folder}" for folder in MODEL_FOLDERS]
-        config.write_text("\n".join(lines) + "\n")
-        self.port = free_port()
-        cpu = [] if os.environ.get("UGPUM_TEST_COMFYUI_GPU") == "1" else ["--cpu"]
-        cmd = [sys.executable, "main.py", *cpu, "--listen", "127.0.0.1", "--port", str(self.port),
-               "--base-directory", str(self.base), "--extra-model-paths-config", str(config),
-               "--front-end-root", str(self.frontend), "--disable-api-nodes", "--disable-auto-launch",
-               "--database-url", "sqlite:///:memory:"]
-        env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONDONTWRITEBYTECODE="1")
-        env.setdefault("OMP_NUM_THREADS", "1")
-        env.pop("COMFYUI_PATH", None)
-        self._log_file = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(cmd, cwd=self.comfyui, env=env, stdout=self._log_file,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise ComfyServerError(f"ComfyUI exited with code {self.proc.returncode} while starting:\n"
-                                       + self.log_tail())
-            try:
-                self._object_info = self.get_json("/object_info", timeout=30)
-                return self
-            except (urllib.error.URLError, ConnectionError, TimeoutError, json.JSONDecodeError):
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise ComfyServerError(f"ComfyUI did not answer /object_info within {timeout:.0f} s:\n"
-                                       + self.log_tail())
-            time.sleep(0.25)
 
 
 class Chromium:

@@ -70,6 +70,7 @@ class ComfyServer:
         for folder in ("custom_nodes", "input", "output", "temp", "user"):
             (self.base / folder).mkdir(parents=True, exist_ok=True)
         self.frontend.mkdir(parents=True, exist_ok=True)
+        (self.frontend / "index.html").write_text("<!doctype html><title>ugpum tests</title>\n")
 
     # ---------------------------------------------------------------- lifecycle
     @property
@@ -88,7 +89,6 @@ class ComfyServer:
         link = self.base / "custom_nodes" / PACK_DIR_NAME
         if not link.exists():
             link.symlink_to(self.pack, target_is_directory=True)
-        (self.frontend / "index.html").write_text("<!doctype html><title>ugpum tests</title>\n")
         config = self.workdir / "extra_model_paths.yaml"
         lines = ["ugpum_tests:", f"  base_path: {json.dumps(str(self.models))}"]
         lines += [f"  {folder}: {folder}" for folder in MODEL_FOLDERS]

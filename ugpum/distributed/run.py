@@ -64,15 +64,14 @@ from ..dtypes import TORCH_DTYPES
 from ..formats.atomic import write_json_atomic
 from ..inplace_guard import guard_inplace_residuals
 from ..plan import PlanError
-from ..train.cache import FeatureCache, dataset_hash
-from ..train.checkpoint import load_checkpoint, remove_leftovers, save_checkpoint
+from ..train.cache import FeatureCache
+from ..train.checkpoint import load_checkpoint, save_checkpoint
 from ..train.config import TrainConfig
 from ..train.dataset import caption_dropout
 from ..train.flow import flow_loss, noisy, sample_timesteps, timestep_method
 from ..train.lora import LoraAdapter, LoraSet, lora_targets
-from ..train.loop import (MicroBatches, RunExists, TrainingError, clear_earlier_run, earlier_run, image_tokens,
-                          load_items, lr_factor, make_optimizer, model_context, resume_point, run_identity,
-                          save_final_lora, training_guidance, validation_inputs, validation_picks)
+from ..train.loop import (MicroBatches, TrainingError, image_tokens, lr_factor, make_optimizer, model_context,
+                          open_run, save_final_lora, training_guidance, validation_inputs, validation_picks)
 from ..train.progress import Progress
 from .forecast import distributed_plan
 from .schedules import rank_stages, schedule_class, schedule_kind, stages_per_rank
@@ -209,24 +208,7 @@ def split_for(cfg: TrainConfig, spec, top: Topology):
 
 def _prepare_on_rank0(cfg, spec, out: Path, make_encoders, resume: bool, overwrite: bool, top: Topology, log):
     """Rank 0's part before training: the folder checks, features, plan and a resumed checkpoint."""
-    out.mkdir(parents=True, exist_ok=True)
-    removed = remove_leftovers(out)
-    if removed:
-        log(f"removed {len(removed)} temporary file(s) an interrupted save left in {out}")
-    items = load_items(cfg)
-    data_hash = dataset_hash(items)
-    identity = run_identity(cfg, spec, data_hash)
-    if resume:
-        checkpoint, start = resume_point(out, cfg, identity, log)
-    else:
-        checkpoint, start = None, 0
-        held = earlier_run(out, cfg)
-        if held and not overwrite:
-            raise RunExists(f"{out} holds an earlier run ({held}); continue it with --resume {out}, train into "
-                            "another folder, or pass --overwrite to replace it")
-        clear_earlier_run(out, cfg)
-        if held:
-            log(f"--overwrite: removed the earlier run in {out}")
+    items, data_hash, identity, checkpoint, start = open_run(cfg, spec, out, resume, overwrite, log)
     encoders = make_encoders()
     cache = FeatureCache(cfg.cache_dir or out / "cache", encoders)
     try:

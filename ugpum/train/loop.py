@@ -231,6 +231,32 @@ def plan_for(cfg: TrainConfig) -> Plan:
                          grad_accum=cfg.grad_accum, schedule=cfg.schedule)
 
 
+def open_run(cfg: TrainConfig, spec, out: Path, resume: bool, overwrite: bool, log=print):
+    """The run folder made ready and the run's data read, before any work: leftovers of an interrupted
+    save removed; for `resume` the checkpoint to continue (only the same run), else the folder checked
+    free of an earlier run (replaced only with `overwrite`). Returns (items, dataset hash, run identity,
+    checkpoint or None, first step)."""
+    out.mkdir(parents=True, exist_ok=True)
+    removed = remove_leftovers(out)
+    if removed:
+        log(f"removed {len(removed)} temporary file(s) an interrupted save left in {out}")
+    items = load_items(cfg)
+    data_hash = dataset_hash(items)
+    identity = run_identity(cfg, spec, data_hash)
+    if resume:
+        checkpoint, start = resume_point(out, cfg, identity, log)
+    else:
+        checkpoint, start = None, 0
+        held = earlier_run(out, cfg)
+        if held and not overwrite:
+            raise RunExists(f"{out} holds an earlier run ({held}); continue it with --resume {out}, train into "
+                            "another folder, or pass --overwrite to replace it")
+        clear_earlier_run(out, cfg)                      # (what a run that never stepped left, or --overwrite)
+        if held:
+            log(f"replacing the earlier run in {out} (overwrite)")
+    return items, data_hash, identity, checkpoint, start
+
+
 def prepare_model(cfg: TrainConfig, spec, plan: Plan, model, key_prefix: str = "", log=print):
     """Place the DiT by the plan (streaming it from its file when built on meta), attach the LoRA,
     make it safe to differentiate, run its frozen base in `base_compute`, compile its blocks
@@ -364,27 +390,9 @@ def train(cfg: TrainConfig, out: str | Path, model: torch.nn.Module, encoders: E
     the same run); a new run never replaces an earlier one unless `overwrite`. Every way the run ends
     keeps every completed step: a checkpoint, and the LoRA so far (`on_partial_lora` hears of it)."""
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     spec = get_spec(cfg.model)
-    removed = remove_leftovers(out)
-    if removed:
-        log(f"removed {len(removed)} temporary file(s) an interrupted save left in {out}")
-
     # 1. the data, and whether this run may start or continue here (before any work)
-    items = load_items(cfg)
-    data_hash = dataset_hash(items)
-    identity = run_identity(cfg, spec, data_hash)
-    if resume:
-        checkpoint, start = resume_point(out, cfg, identity, log)
-    else:
-        checkpoint, start = None, 0
-        held = earlier_run(out, cfg)
-        if held and not overwrite:
-            raise RunExists(f"{out} holds an earlier run ({held}); continue it with --resume {out}, train into "
-                            "another folder, or pass --overwrite to replace it")
-        clear_earlier_run(out, cfg)                      # (what a run that never stepped left, or --overwrite)
-        if held:
-            log(f"replacing the earlier run in {out} (overwrite)")
+    items, data_hash, identity, checkpoint, start = open_run(cfg, spec, out, resume, overwrite, log)
 
     # 2. every latent and caption embedding through the cache (encoders released after)
     cache = FeatureCache(cfg.cache_dir or out / "cache", encoders)
