@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import GIB, example_inputs  # noqa: E402
 
 
-def one_mode(path: str, compile: str, base_compute: str, steps: int, out: Path) -> dict:
+def one_mode(path: str, compile: str, base_compute: str, steps: int) -> dict:
     from comfy_bridge import build_meta, comfy_training_mode, find_comfyui_or_raise, import_comfy
     from ugpum.arch import recognise
     from ugpum.train.config import TrainConfig
@@ -93,7 +93,7 @@ def main(argv=None):
     if a.one:
         compile, base_compute = a.mode[0].split("/")
         try:
-            row = one_mode(a.path, compile, base_compute, a.steps, out)
+            row = one_mode(a.path, compile, base_compute, a.steps)
         except Exception as err:                                     # recorded; the next mode still runs
             row = {"compile": compile, "base_compute": base_compute, "error": f"{type(err).__name__}: {str(err)[:400]}"}
         print(json.dumps(row), flush=True)
