@@ -192,13 +192,49 @@ class SwapPlacement:
         self.placement.undo(device)
 
 
+def _unit_of(path: str, units: Sequence[str]) -> str | None:
+    """The unit among `units` that holds the module at `path`, or None."""
+    for unit in units:
+        if path == unit or path.startswith(unit + "."):
+            return unit
+    return None
+
+
+def on_compute_device(on_weight, layout: Layout, offloaded: Sequence[str]):
+    """`on_weight` for a swapped block's layer, whose weight arrives in host memory: it runs on the device
+    the block computes on (8-bit quantisation there uses the same kernels as for a resident block, so
+    the swapped block's 8-bit weights are bit for bit a resident one's, and a GPU quantises far faster),
+    then what it made goes back to host memory for the swap to pack. An emptied weight stays on the
+    device, so the LoRA attached to the layer is created there."""
+    def hook(path: str, module: nn.Module) -> None:
+        unit = _unit_of(path, offloaded)
+        home = module.weight.device
+        device = torch.device(layout.blocks[unit]) if unit is not None else home
+        if device == home:
+            on_weight(path, module)
+            return
+        module.weight.data = module.weight.data.to(device)
+        on_weight(path, module)
+        for t in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False)):
+            if t.device == device and t.numel():
+                t.data = t.data.to(home)
+    return hook
+
+
 def place_with_swap(model: nn.Module, layout, offloaded: Sequence[str], checkpoint=None, key_prefix: str = "",
                     dtype: torch.dtype | None = None, slots: int = 2, pin: bool = True,
-                    timing: bool = False) -> SwapPlacement:
+                    timing: bool = False, on_weight=None) -> SwapPlacement:
     """`place()`, with the `offloaded` blocks' weights loaded into host memory (never onto their
-    device) and swapped in for compute on the device the layout gives them (one ring per device)."""
+    device) and swapped in for compute on the device the layout gives them (one ring per device).
+    `on_weight` (see `place`; a model streamed from its file only) runs for a swapped block's layer on
+    its compute device: an 8-bit base streams its 8-bit weights and scales, half bf16's bytes."""
+    if on_weight is not None:
+        if checkpoint is None:
+            raise ValueError("place_with_swap: on_weight needs a model built on the meta device and streamed "
+                             "from its file (the 8-bit base with block swap quantises each layer as it arrives)")
+        on_weight = on_compute_device(on_weight, layout, offloaded)
     placement = place(model, layout, checkpoint=checkpoint, key_prefix=key_prefix, dtype=dtype,
-                      weights_on={p: "cpu" for p in offloaded})
+                      weights_on={p: "cpu" for p in offloaded}, on_weight=on_weight)
     by_device: dict[str, list[str]] = {}
     for p in offloaded:
         by_device.setdefault(layout.blocks[p], []).append(p)
@@ -218,11 +254,10 @@ def place_by_plan(model: nn.Module, plan, tail_modules: tuple[str, ...], model_f
                   key_prefix: str = "", dtype: torch.dtype | None = None, on_weight=None):
     """Apply a plan: blocks on their stages' devices, the swap tier (if any) streamed from host memory,
     weights read from `model_file` when the model was built on the meta device (`on_weight`: see
-    `place`; not with a swap tier). Returns the placement; `.undo()` releases it."""
+    `place`; with a swap tier, see `place_with_swap`). Returns the placement; `.undo()` releases it."""
     layout, offloaded = swap_plan(plan, [s.torch_device for s in plan.stages], tail_modules)
     checkpoint = model_file if any(p.is_meta for p in model.parameters()) else None
     if offloaded:
-        if on_weight is not None:
-            raise ValueError("place_by_plan: on_weight does not work with a swap tier")
-        return place_with_swap(model, layout, offloaded, checkpoint=checkpoint, key_prefix=key_prefix, dtype=dtype)
+        return place_with_swap(model, layout, offloaded, checkpoint=checkpoint, key_prefix=key_prefix, dtype=dtype,
+                               on_weight=on_weight)
     return place(model, layout, checkpoint=checkpoint, key_prefix=key_prefix, dtype=dtype, on_weight=on_weight)
