@@ -127,13 +127,18 @@ def run_cli(argv: list[str]) -> int:
 
 
 def test_klein_9b_profile_files():
+    """The profile trains on the klein 9B base model and downloads the distilled one its workflow renders with."""
     dit, te, vae = catalog.files_for("klein-9b-1024")
     assert (dit.folder, dit.filename, dit.repo_id) == (
-        "diffusion_models", "flux-2-klein-9b.safetensors", "black-forest-labs/FLUX.2-klein-9B")
+        "diffusion_models", "flux-2-klein-base-9b.safetensors", "black-forest-labs/FLUX.2-klein-base-9B")
     assert dit.gated and not dit.licence.commercial
     assert (te.folder, te.filename) == ("text_encoders", "qwen_3_8b_fp8mixed.safetensors")
     assert (vae.folder, vae.filename) == ("vae", "flux2-vae.safetensors")
-    assert catalog.files_for("klein-9b-1024", "fp8")[0].filename == "flux-2-klein-9b-fp8.safetensors"
+    assert catalog.files_for("klein-9b-1024", "fp8")[0].filename == "flux-2-klein-base-9b-fp8.safetensors"
+    render = catalog.download_files_for("klein-9b-1024")[3]
+    assert render.filename == "flux-2-klein-9b-fp8.safetensors" and len(catalog.download_files_for("klein-9b-1024")) == 4
+    assert [f.filename for f in catalog.download_files_for("flux2-dev-1024")] == [
+        f.filename for f in catalog.files_for("flux2-dev-1024")]                 # dev renders with what it trains on
     # the profile is the training profile of the same name
     from ugpum.train.config import PROFILES
     assert PROFILES["klein-9b-1024"]["model"] == catalog.PROFILES["klein-9b-1024"].model
@@ -166,9 +171,20 @@ def test_catalog_entries_are_known_models_with_sources():
 def test_list_prints_sources(capsys):
     assert run_cli(["download", "klein-9b-1024", "--list"]) == 0
     out = capsys.readouterr().out
-    for f in catalog.files_for("klein-9b-1024"):
+    for f in catalog.download_files_for("klein-9b-1024"):
         assert f.url in out
+    assert "non-commercial use only" in out
     assert run_cli(["download", "nonsense", "--list"]) == 2
+
+
+def test_list_json_gives_the_relative_paths_it_would_write(capsys):
+    import json
+    assert run_cli(["download", "wan14b-480-clip", "--list", "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert [f["path"] for f in listed["files"]] == [
+        "diffusion_models/wan2.1_t2v_14B_fp8_scaled.safetensors",
+        "text_encoders/umt5_xxl_fp8_e4m3fn_scaled.safetensors", "vae/wan_2.1_vae.safetensors"]
+    assert listed["dtype"] == "fp8" and all(f["commercial_use"] for f in listed["files"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -181,12 +197,12 @@ def test_offline_gives_one_message_with_files_sources_and_folders(tmp_path, hf_h
     err = capsys.readouterr().err
     assert rc == 1
     assert err.count("Could not download") == 1                       # one message
-    for f in catalog.files_for("klein-9b-1024"):
+    for f in catalog.download_files_for("klein-9b-1024"):
         assert f.filename in err and f.url in err
         assert f"to:   {models / f.folder / f.filename}" in err
     assert "HF_HUB_OFFLINE" in err
     # the gated DiT: which licence, where to accept it, how to give a token
-    assert "FLUX Non-Commercial License" in err and "https://huggingface.co/black-forest-labs/FLUX.2-klein-9B" in err
+    assert "FLUX Non-Commercial License" in err and "https://huggingface.co/black-forest-labs/FLUX.2-klein-base-9B" in err
     assert "HF_TOKEN" in err and "huggingface-cli login" in err
     assert network_attempts == []
     assert not models.exists()                                        # nothing written
@@ -204,7 +220,7 @@ def test_without_huggingface_hub_the_message_says_so(tmp_path, hf_home, network_
 
     monkeypatch.setattr(builtins, "__import__", no_hf)
     report = dl.download("klein-9b-1024", tmp_path / "models", progress=False, log=lambda _: None)
-    assert [o.status for o in report.outcomes] == ["missing"] * 3
+    assert [o.status for o in report.outcomes] == ["missing"] * 4
     assert "pip install huggingface_hub" in dl.explain(report)
     assert network_attempts == []
 
@@ -368,10 +384,11 @@ def test_gated_repository_says_which_licence_and_how_to_give_a_token(tmp_path, h
     models = tmp_path / "models"
     report = dl.download("klein-9b-1024", models, source=Gated(os.urandom(MiB)), progress=False,
                          log=lambda _: None)
-    assert [o.status for o in report.outcomes] == ["denied", "downloaded", "downloaded"]
+    assert [o.status for o in report.outcomes] == ["denied", "downloaded", "downloaded", "denied"]
     text = dl.explain(report)
     assert "Access refused" in text and "403" in text
-    assert "https://huggingface.co/black-forest-labs/FLUX.2-klein-9B" in text
+    assert "https://huggingface.co/black-forest-labs/FLUX.2-klein-base-9B" in text
+    assert "https://huggingface.co/black-forest-labs/FLUX.2-klein-9b-fp8" in text     # the model it renders with
     assert "FLUX Non-Commercial License" in text and "LICENSE-FLUX-NON-COMMERICAL" in text
     assert "HF_TOKEN" in text and "huggingface-cli login" in text
     assert not (models / "diffusion_models").exists()

@@ -87,13 +87,30 @@ class ModelEntry:
     text_encoder: ModelFile
     vae: ModelFile
     default_dtype: str = "bf16"
+    # An undistilled base model, which its makers say LoRAs train on, renders with its distilled
+    # sibling: (model id, dtype) of the DiT the bundled workflow's inference branch loads.
+    renders_with: tuple[str, str] | None = None
 
     def files(self, dtype: str | None = None) -> list[ModelFile]:
+        """The files training needs: the DiT in `dtype` (default: the model's), text encoder, VAE."""
         dtype = dtype or self.default_dtype
         if dtype not in self.dit:
             raise UnknownName(f"{self.id} has no {dtype} diffusion model file in the catalog; "
                               f"available: {', '.join(self.dit)}")
         return [self.dit[dtype], self.text_encoder, self.vae]
+
+    def render_file(self) -> ModelFile | None:
+        """The distilled DiT a base model's LoRA is used with (None: the model renders itself)."""
+        if self.renders_with is None:
+            return None
+        model_id, dtype = self.renders_with
+        return MODELS[model_id].dit[dtype]
+
+    def download_files(self, dtype: str | None = None) -> list[ModelFile]:
+        """What `download` fetches: the training files, then the DiT the workflow renders with."""
+        files = self.files(dtype)
+        render = self.render_file()
+        return files + ([render] if render is not None and render not in files else [])
 
     def all_files(self) -> list[ModelFile]:
         return list(self.dit.values()) + [self.text_encoder, self.vae]
@@ -206,7 +223,8 @@ MODELS: dict[str, ModelEntry] = {e.id: e for e in (
             "fp8": _dit("flux-2-klein-base-9b-fp8.safetensors", "black-forest-labs/FLUX.2-klein-base-9b-fp8",
                         licence=FLUX_NON_COMMERCIAL, gated=True),
         },
-        text_encoder=QWEN3_8B, vae=FLUX2_VAE),
+        # renders with the distilled 9B in fp8: the file ComfyUI's klein 9B template loads (4 steps, CFG 1)
+        text_encoder=QWEN3_8B, vae=FLUX2_VAE, renders_with=("flux2-klein-9b", "fp8")),
     ModelEntry(
         "flux2-klein-4b", "FLUX.2 [klein] 4B (distilled)",
         dit={
@@ -230,7 +248,7 @@ MODELS: dict[str, ModelEntry] = {e.id: e for e in (
             # https://github.com/comfyanonymous/ComfyUI/blob/master/blueprints/Image%20Edit%20(Flux.2%20Klein%204B).json
             "fp8": _dit("flux-2-klein-base-4b-fp8.safetensors", "black-forest-labs/FLUX.2-klein-base-4b-fp8"),
         },
-        text_encoder=QWEN3_4B, vae=FLUX2_VAE),
+        text_encoder=QWEN3_4B, vae=FLUX2_VAE, renders_with=("flux2-klein-4b", "bf16")),
     ModelEntry(
         "flux2-dev", "FLUX.2 [dev]",
         dit={
@@ -306,9 +324,16 @@ def resolve(name: str) -> tuple[ModelEntry, Profile | None]:
 
 
 def files_for(name: str, dtype: str | None = None) -> list[ModelFile]:
-    """The DiT, text encoder and VAE a profile or model needs (the profile's dtype unless given)."""
+    """The DiT, text encoder and VAE a profile or model trains with (the profile's dtype unless given)."""
     entry, profile = resolve(name)
     return entry.files(dtype or (profile.dtype if profile else None))
+
+
+def download_files_for(name: str, dtype: str | None = None) -> list[ModelFile]:
+    """Everything `download NAME` fetches: the training files and, for a base model, the distilled DiT
+    the bundled workflow renders with. Exactly the files that workflow's loaders name."""
+    entry, profile = resolve(name)
+    return entry.download_files(dtype or (profile.dtype if profile else None))
 
 
 def entries_for_file(filename: str) -> list[tuple[ModelEntry, str]]:

@@ -456,7 +456,7 @@ def download(name: str, models_dir: str | Path, dtype: str | None = None, source
     """Bring every file of a profile or model into `models_dir`; never raises for a file that
     cannot be fetched (the report says why), only for a wrong name."""
     models_dir = Path(models_dir)
-    files = catalog.files_for(name, dtype)
+    files = catalog.download_files_for(name, dtype)
     report = Report(name, models_dir, dtype=dtype)
     source = source or HubSource()
     for f in files:
@@ -556,13 +556,16 @@ def add_download_parser(sub) -> None:
     p.add_argument("--dtype", choices=catalog.DTYPES, help="DiT weights: the 16-bit file or fp8 "
                                                            "(default: the profile's or model's)")
     p.add_argument("--list", action="store_true", help="list the files and their sources; download nothing")
+    p.add_argument("--json", action="store_true", help="with --list and a name: the files it would write, as "
+                                                       "JSON (paths relative to the models/ folder)")
     p.add_argument("--no-cache", action="store_true", help="do not copy from the local Hugging Face cache")
 
 
 def run_download(args) -> int:
     if args.list or not args.name:
         try:
-            print(format_catalog(args.name))
+            print(json.dumps(planned_files(args.name, args.dtype), indent=1) if args.json and args.name
+                  else format_catalog(args.name))
         except catalog.UnknownName as err:
             print(f"error: {err}", file=sys.stderr)
             return 2
@@ -584,6 +587,20 @@ def run_download(args) -> int:
     return 1
 
 
+def planned_files(name: str, dtype: str | None = None) -> dict:
+    """What `download NAME` would write, for scripts and tests: each file's path relative to the
+    models/ folder, its role, whether it trains or renders, its source and licence."""
+    entry, profile = catalog.resolve(name)
+    training = catalog.files_for(name, dtype)
+    files = []
+    for f in catalog.download_files_for(name, dtype):
+        files.append({"path": f"{f.folder}/{f.filename}", "role": f.role,
+                      "use": "train" if f in training else "render", "url": f.url, "gated": f.gated,
+                      "licence": f.licence.name, "commercial_use": f.licence.commercial})
+    return {"name": name, "model": entry.id, "dtype": dtype or (profile.dtype if profile else entry.default_dtype),
+            "files": files}
+
+
 def format_catalog(name: str | None = None) -> str:
     """The catalog (or one profile's or model's part of it) with each file's source."""
     chosen = catalog.resolve(name)[0] if name else None
@@ -596,9 +613,16 @@ def format_catalog(name: str | None = None) -> str:
         if chosen is not None and entry is not chosen:
             continue
         lines.append(f"\n{entry.id}: {entry.title} (default dtype {entry.default_dtype})")
-        for f in entry.all_files():
+        dit_licence = entry.all_files()[0].licence
+        lines.append(f"  weights licence: {dit_licence.name}"
+                     + ("" if dit_licence.commercial else " (non-commercial use only)") + f" {dit_licence.url}")
+        render = entry.render_file()
+        if render is not None:
+            lines.append(f"  LoRAs train on this base model; the workflow renders with {render.filename}")
+        for f in entry.all_files() + ([render] if render is not None else []):
             tag = next((d for d, x in entry.dit.items() if x is f), "") if f.role == "dit" else ""
-            lines.append(f"  {f.folder + '/' + f.filename:<58} {tag:<5} {f.url}"
+            tag = "render" if f is render else tag
+            lines.append(f"  {f.folder + '/' + f.filename:<58} {tag:<6} {f.url}"
                          + ("  [gated]" if f.gated else ""))
     return "\n".join(lines).strip()
 

@@ -197,9 +197,10 @@ class TrainConfig:
 # Built-in profiles: the settings a newcomer starts from.
 PROFILES: dict[str, dict] = {
     # FLUX.2: musubi-tuner's FLUX.2 timestep default (flux2_shift: median sigma 0.76 at 1024², per bucket)
-    "klein-9b-1024": dict(model="flux2-klein-9b", resolution=1024, rank=16, alpha=16.0, steps=50, lr=1e-4,
+    # klein LoRAs train on the undistilled base (BFL's advice); the workflow renders with the distilled model
+    "klein-9b-1024": dict(model="flux2-klein-base-9b", resolution=1024, rank=16, alpha=16.0, steps=50, lr=1e-4,
                           sample_every=10, timesteps="flux2_shift", weight_dtype="bf16"),
-    "klein-4b-1024": dict(model="flux2-klein-4b", resolution=1024, rank=16, alpha=16.0, steps=50, lr=1e-4,
+    "klein-4b-1024": dict(model="flux2-klein-base-4b", resolution=1024, rank=16, alpha=16.0, steps=50, lr=1e-4,
                           sample_every=10, timesteps="flux2_shift"),
     # Wan 2.1 clips at 480p: resolution is the bucket's area (640² ~ 832x480, which 832x480 and 16:9
     # clips get), 17 frames (5 latent frames) from each clip's start; shift 3 as musubi-tuner trains Wan
