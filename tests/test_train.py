@@ -349,20 +349,20 @@ def test_cli_train_refuses_a_comfyui_too_old_for_the_text_encoder(tmp_path, caps
     if hasattr(comfy.sd.TEModel, "QWEN3_8B"):
         pytest.skip("this ComfyUI loads Qwen3-8B")
     models = tmp_path / "models"
-    for name in ("diffusion_models/flux-2-klein-9b.safetensors", "text_encoders/qwen_3_8b_fp8mixed.safetensors",
+    for name in ("diffusion_models/flux-2-klein-base-9b.safetensors", "text_encoders/qwen_3_8b_fp8mixed.safetensors",
                  "vae/flux2-vae.safetensors"):
         (models / name).parent.mkdir(parents=True, exist_ok=True)
         (models / name).write_bytes(b"")
     assert main(["train", "--profile", "klein-9b-1024", "--dataset", str(DATASET), "--models", str(models),
                  "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
-    assert "cannot load Flux.2-klein-9b's text encoder (QWEN3_8B); update it" in err and err.count("\n") == 1
+    assert "cannot load Flux.2-klein-base-9b's text encoder (QWEN3_8B); update it" in err and err.count("\n") == 1
 
 
 def test_guidance_trains_at_one_and_previews_at_the_templates_four():
     from ugpum.arch import get_spec
-    from ugpum.train.loop import training_guidance
-    from ugpum.train.render_prompt import guidance_for
+    from ugpum.train.objective import training_guidance
+    from ugpum.diffusion.render_prompt import guidance_for
     dev, klein = get_spec("flux2-dev"), get_spec("flux2-klein-9b")
     profile = load_config("flux2-dev-1024")
     assert (profile.guidance, profile.sample_guidance) == (1.0, 4.0)
