@@ -8,6 +8,7 @@ from comfy_api.latest import io, ui
 
 from ugpum.arch import recognise
 from ugpum.devices import parse_device_specs
+from ugpum.plan import eight_bit_summary
 
 from .errors import UGPUMError, user_errors
 from .types import UGPUM_MODEL, UGPUMModel
@@ -63,11 +64,11 @@ class UGPUMLoader(io.ComfyNode):
         specs = device_specs(devices)
         with user_errors(NODE, dit_name):
             spec, prefix, stored = recognise(path)
-            parse_device_specs(list(specs), probe=False)   # a typo is reported here, not three nodes later
+            found = parse_device_specs(list(specs), probe=False)   # a typo is reported here, not three nodes later
         model = UGPUMModel(family=spec.family, model_id=spec.id, title=spec.title, path=os.path.abspath(path),
                            file_name=dit_name, key_prefix=prefix, stored_dtype=stored,
                            weight_dtype=WEIGHT_DTYPES[weight_dtype] or stored, devices=specs, spec=spec)
-        text = model.describe()
+        text = model.describe() + ("\n" + eight_bit_summary(found) if found else "")
         hint = companion_files_hint(spec.id)
         return io.NodeOutput(model, ui=ui.PreviewText(text + ("\n" + hint if hint else "")))
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from comfy_api.latest import io, ui
 
+from ugpum.base_compute import SETTINGS as BASE_COMPUTE_SETTINGS
 from ugpum.devices import resolve_devices
 from ugpum.dtypes import training_dtype
 from ugpum.forecast import format_plan
-from ugpum.pipeline import SCHEDULES
+from ugpum.schedules import SETTINGS as SCHEDULE_SETTINGS
 from ugpum.plan import plan_training
 from ugpum.train.config import load_config
 
@@ -16,7 +17,7 @@ from .types import UGPUM_MODEL, UGPUM_PLAN, UGPUMModel, UGPUMPlan
 
 NODE = "Partition Planner"
 CHECKPOINTING = ["block", "none"]
-SCHEDULE_CHOICES = ["auto", *SCHEDULES]
+SCHEDULE_CHOICES = list(SCHEDULE_SETTINGS)
 
 
 def planning_config(model: UGPUMModel, resolution: int, batch: int, grad_accum: int, rank: int,
@@ -84,11 +85,13 @@ class PartitionPlanner(io.ComfyNode):
                 io.String.Input("manual_split", default="", optional=True, display_name="manual split",
                                 tooltip="Optional: blocks per device in device order, e.g. '14, 18'. "
                                         "Empty: the planner chooses."),
-                io.Combo.Input("base_compute", options=["bf16", "fp8", "int8"], default="bf16", optional=True,
+                io.Combo.Input("base_compute", options=list(BASE_COMPUTE_SETTINGS), default="bf16", optional=True,
                                display_name="base compute",
                                tooltip="Precision of the frozen base weights' matmuls: bf16, or 8-bit (fp8 on "
                                        "RTX 40/50 and H100/H200, int8 on RTX 30) with 1 byte a weight on the GPUs; "
-                                       "the LoRA trains in full precision either way."),
+                                       "auto keeps bf16 where the model fits without block swap and otherwise "
+                                       "takes the card's 8-bit mode (the report says which and why). The LoRA "
+                                       "trains in full precision either way."),
             ],
             outputs=[UGPUM_PLAN.Output("UGPUM_PLAN", display_name="plan"),
                      io.String.Output("report", display_name="report")],

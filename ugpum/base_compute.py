@@ -23,10 +23,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["MODES", "use_8bit_base", "QuantiseAsLoaded", "quantise_weight",
-           "quantise_rows", "supports", "check_devices", "BaseComputeError"]
+__all__ = ["MODES", "SETTINGS", "use_8bit_base", "QuantiseAsLoaded", "quantise_weight",
+           "quantise_rows", "supports", "check_devices", "eight_bit_mode", "QUALITY_CHECK", "BaseComputeError"]
 
 MODES = ("bf16", "fp8", "int8")
+SETTINGS = ("auto",) + MODES       # auto: the planner picks (ugpum.plan.plan_training)
+# What the H200 showed for each 8-bit mode at full size (klein 9B, three blocks: first, middle, last;
+# bench/results/speed.md): the LoRA gradient of a block with the 8-bit base against the bf16 base.
+QUALITY_CHECK = {"fp8": "LoRA gradients vs the bf16 base: cosine 0.9985 per block (klein 9B, H200)",
+                 "int8": "LoRA gradients vs the bf16 base: cosine 0.9997 per block (klein 9B, H200)"}
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 INT8_MAX = 127.0
@@ -52,6 +57,16 @@ def supports(mode: str, device) -> str | None:
     if mode == "int8" and major < 8:
         return f"base_compute=int8 needs compute capability 8.0+ (Ampere or newer); {name} is {major}.{minor}"
     return None
+
+
+def eight_bit_mode(capability: tuple[int, int] | None) -> str | None:
+    """The 8-bit base mode a GPU of this compute capability runs on tensor cores: fp8 from 8.9 (Ada,
+    Hopper, Blackwell), int8 on Ampere (8.x), None before Ampere or without a capability (the CPU)."""
+    if capability is None:
+        return None
+    if tuple(capability) >= (8, 9):
+        return "fp8"
+    return "int8" if capability[0] >= 8 else None
 
 
 def check_devices(mode: str, devices) -> None:

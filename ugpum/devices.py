@@ -67,31 +67,47 @@ UNKNOWN_LINK_GBPS = LINKS["pcie4x16"]
 # GeForce cards run bf16 with fp32 accumulate at half their fp16-accumulate rate: marketing
 # tables quote the latter, and often the 2:4 sparse figure on top; neither applies to training.
 _GEFORCE_DERATE = 0.8
+# Cards not in a whitepaper table are scaled from their family's flagship per SM and GHz of boost clock:
+# Ampere GeForce 71 / (82 SMs x 1.695 GHz) = 0.511, Ada 165.2 / (128 x 2.52) = 0.512 dense TFLOP/s.
+# compute_capability says which 8-bit tensor cores a card has (8.6 Ampere: int8; 8.9 Ada, 9.0 Hopper,
+# 12.0 Blackwell GeForce: fp8 and int8), for base_compute = auto (ugpum.base_compute.eight_bit_mode).
 PRESETS: dict[str, dict] = {
+    # Ampere GA106: 28 SMs x 1.777 GHz x 0.511 = 25.4 dense. The 12 GB desktop card.
+    "rtx3060": {"memory_bytes": 12 * GIB, "tflops_bf16": round(25.4 * _GEFORCE_DERATE, 1),
+                "link": "pcie4x16", "compute_capability": (8, 6)},
+    # Ampere GA104: 46 SMs x 1.725 GHz x 0.511 = 40.5 dense; 8 GB.
+    "rtx3070": {"memory_bytes": 8 * GIB, "tflops_bf16": round(40.5 * _GEFORCE_DERATE, 1),
+                "link": "pcie4x16", "compute_capability": (8, 6)},
     # Ampere GA102 whitepaper: RTX 3090 BF16 tensor, fp32 acc, 71 dense (142 sparse).
     "rtx3090": {"memory_bytes": 24 * GIB, "tflops_bf16": round(71.0 * _GEFORCE_DERATE, 1),
-                "link": "pcie4x16"},
+                "link": "pcie4x16", "compute_capability": (8, 6)},
+    # Ada AD107: 24 SMs x 2.46 GHz x 0.512 = 30.2 dense; 8 GB, wired x8.
+    "rtx4060": {"memory_bytes": 8 * GIB, "tflops_bf16": round(30.2 * _GEFORCE_DERATE, 1),
+                "link": "pcie4x8", "compute_capability": (8, 9)},
     # Ada whitepaper rate per SM (as the 4090) x 34 SMs x 2.535 GHz: 44.1 dense.
     # The card is wired x8 electrically, whatever the slot.
     "rtx4060ti-16g": {"memory_bytes": 16 * GIB, "tflops_bf16": round(44.1 * _GEFORCE_DERATE, 1),
-                      "link": "pcie4x8"},
+                      "link": "pcie4x8", "compute_capability": (8, 9)},
+    # Ada AD104: 46 SMs x 2.475 GHz x 0.512 = 58.3 dense; 12 GB.
+    "rtx4070": {"memory_bytes": 12 * GIB, "tflops_bf16": round(58.3 * _GEFORCE_DERATE, 1),
+                "link": "pcie4x16", "compute_capability": (8, 9)},
     # Ada whitepaper: RTX 4080 fp32-acc 97.5 dense (194.9 sparse).
     "rtx4080": {"memory_bytes": 16 * GIB, "tflops_bf16": round(97.5 * _GEFORCE_DERATE, 1),
-                "link": "pcie4x16"},
+                "link": "pcie4x16", "compute_capability": (8, 9)},
     # Ada whitepaper: RTX 4090 BF16 fp32-acc 165.2 dense (330.4 sparse).
     "rtx4090": {"memory_bytes": 24 * GIB, "tflops_bf16": round(165.2 * _GEFORCE_DERATE, 1),
-                "link": "pcie4x16"},
+                "link": "pcie4x16", "compute_capability": (8, 9)},
     # Blackwell GeForce: 1801 "AI TOPS" is fp4 sparse; /2 dense, /4 fp16-acc bf16, /2 fp32 acc
     # = 112.6 dense.
     "rtx5080": {"memory_bytes": 16 * GIB, "tflops_bf16": round(112.6 * _GEFORCE_DERATE, 1),
-                "link": "pcie5x16"},
+                "link": "pcie5x16", "compute_capability": (12, 0)},
     # Blackwell GeForce: RTX 5090 3352 fp4 sparse "AI TOPS" -> 209.5 bf16 fp32-acc dense.
     "rtx5090": {"memory_bytes": 32 * GIB, "tflops_bf16": round(209.5 * _GEFORCE_DERATE, 1),
-                "link": "pcie5x16"},
+                "link": "pcie5x16", "compute_capability": (12, 0)},
     # H200 SXM datasheet: BF16 989.4 dense (1979 sparse). This module's probe gave 780 from
     # idle but 640-680 once the card had run for a second (power-limited): 680 (0.69) is the
     # rate training sustains. Memory is what torch reports there (139.8 GiB), not "141 GB".
-    "h200": {"memory_bytes": 150_109_880_320, "tflops_bf16": 680.0, "link": "sxm"},
+    "h200": {"memory_bytes": 150_109_880_320, "tflops_bf16": 680.0, "link": "sxm", "compute_capability": (9, 0)},
 }
 
 # The speed a bare size ("16GiB") is given: the RTX 4090's, the card most people training
@@ -166,7 +182,8 @@ def parse_device_spec(spec: str, probe: bool = True) -> Device:
     if base in PRESETS:
         preset = PRESETS[base]
         link = link or preset["link"]
-        return _hand_described(spec.strip(), preset["memory_bytes"], preset["tflops_bf16"], link)
+        return _hand_described(spec.strip(), preset["memory_bytes"], preset["tflops_bf16"], link,
+                               preset["compute_capability"])
 
     size = _SIZE.match(base)
     if size:
@@ -233,9 +250,12 @@ def _spec_help(spec: str) -> str:
             f"'@<link>' with link one of: {', '.join(LINKS)}")
 
 
-def _hand_described(label: str, total: int, tflops: float, link: str) -> Device:
+def _hand_described(label: str, total: int, tflops: float, link: str,
+                    capability: tuple[int, int] | None = None) -> Device:
+    """A card described by hand; a bare size (no capability given) is planned as the reference card."""
     return Device(label=label, torch_device=None, total_bytes=total, free_bytes=total,
-                  tflops_bf16=tflops, host_gbps=LINKS[link], link=link)
+                  tflops_bf16=tflops, host_gbps=LINKS[link], link=link,
+                  compute_capability=capability or PRESETS["rtx4090"]["compute_capability"])
 
 
 def _detected_by_index(spec: str, index: int, probe: bool) -> Device:

@@ -9,6 +9,7 @@ from functools import lru_cache
 from . import cost
 from .arch.base import ACT_BYTES, WEIGHT_BYTES, ArchSpec, Workload
 from .devices import Device, gpu_to_gpu_gbps
+from .schedules import best_schedule, in_flight as held_in_flight
 
 GIB = cost.GIB
 MIB = 1024 ** 2
@@ -52,6 +53,9 @@ class Plan:
     block_paths: list[str]
     schedule: str = "sequential"        # the micro-batch order the run uses (ugpum.pipeline)
     in_flight: int = 1                  # micro-batches whose activations a stage holds at once
+    base_compute: str = "bf16"          # the frozen base's matmuls this plan was made for (auto resolved)
+    base_compute_note: str = ""         # why, when base_compute = auto chose
+    alternatives: list[dict] = field(default_factory=list)   # 8-bit plans shown when bf16 needs swap
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -236,6 +240,8 @@ def make_plan(spec: ArchSpec, devices: list[Device], w: Workload, grad_accum: in
     """The best plan (or the given `split`: blocks per device) with its forecast."""
     if not devices:
         raise PlanError("no device to plan for: give at least one --gpu (e.g. 16GiB, rtx4090, auto)")
+    if w.base_compute == "auto":                  # (callers that plan below plan_training)
+        w = eight_bit_workload(w, choose_base_compute(spec, devices, w, grad_accum, split=split).base_compute)
     solved = _solve(spec, devices, w, grad_accum, in_flight, split)
     if solved is None:
         raise PlanError(_explain_failure(spec, devices, w, grad_accum, in_flight))
@@ -248,7 +254,8 @@ def make_plan(spec: ArchSpec, devices: list[Device], w: Workload, grad_accum: in
                     "predicted_step_s": one["predicted_step_s"],
                     "swap_bytes_per_step": one["swap_bytes_per_step"]}
     plan = Plan(model=spec.id, workload=dataclasses.asdict(w), grad_accum=grad_accum,
-                block_paths=[b.path for b in spec.blocks], swap_forecast=swap, verdict="", **solved)
+                block_paths=[b.path for b in spec.blocks], swap_forecast=swap, verdict="",
+                base_compute=w.base_compute, **solved)
     plan.verdict = verdict(plan, devices)
     return plan
 
@@ -257,21 +264,128 @@ def plan_training(spec: ArchSpec, devices: list[Device], w: Workload, grad_accum
                   schedule: str = "auto", split: list[int] | None = None) -> Plan:
     """The plan a training run uses, and the only one any front end shows: the split, its forecast
     and the micro-batch schedule, with the activations of every micro-batch that schedule keeps in
-    flight counted in each stage's memory. `schedule` "auto" takes the fastest order for the split."""
-    from .pipeline import best_schedule, in_flight        # (pipeline imports torch's runtime pieces)
+    flight counted in each stage's memory. `schedule` "auto" takes the fastest order for the split.
+    `w.base_compute` "auto" picks the base's precision (`choose_base_compute`); a bf16 plan that swaps
+    blocks lists the 8-bit plans the devices could run instead (`Plan.alternatives`)."""
+    if w.base_compute == "auto":
+        return choose_base_compute(spec, devices, w, grad_accum, schedule, split)
+    plan = _plan_for_schedule(spec, devices, w, grad_accum, schedule, split)
+    if w.base_compute == "bf16" and plan.offloaded_blocks:
+        plan.alternatives = _eight_bit_alternatives(spec, devices, w, grad_accum, schedule, split)
+    return plan
+
+
+def _plan_for_schedule(spec, devices, w, grad_accum, schedule, split) -> Plan:
     plan = make_plan(spec, devices, w, grad_accum=grad_accum, split=split)
     chosen = best_schedule(plan, grad_accum) if schedule == "auto" else schedule
-    held = in_flight(chosen, len(devices), grad_accum)
+    held = held_in_flight(chosen, len(devices), grad_accum)
     if held > 1:
         plan = make_plan(spec, devices, w, grad_accum=grad_accum, in_flight=held, split=split)
     plan.schedule, plan.in_flight = chosen, held
     return plan
 
 
+def devices_eight_bit_mode(devices: list[Device]) -> str | None:
+    """The 8-bit mode every device runs on tensor cores (fp8 if all have it, else int8), or None."""
+    from .base_compute import eight_bit_mode
+    modes = {eight_bit_mode(d.compute_capability if d.torch_device != "cpu" else None) for d in devices}
+    if None in modes or not modes:
+        return None
+    return "int8" if "int8" in modes else "fp8"
+
+
+def eight_bit_summary(devices: list[Device]) -> str:
+    """One line for the Loader: which base compute auto would take on these devices where bf16 needs swap."""
+    mode = devices_eight_bit_mode(devices)
+    if mode is None:
+        return "base compute auto: bf16 (no 8-bit tensor cores on these devices)"
+    why = "fp8 tensor cores" if mode == "fp8" else "int8 tensor cores, no fp8 (Ampere)"
+    return f"base compute auto: bf16 where the model fits without block swap, else {mode} ({why})"
+
+
+def eight_bit_workload(w: Workload, mode: str) -> Workload:
+    """`w` with its base in `mode`: 1 byte a weight on the GPUs."""
+    return dataclasses.replace(w, base_compute=mode, weight_dtype="fp8" if mode != "bf16" else w.weight_dtype)
+
+
+def _quality(mode: str) -> str:
+    from .base_compute import QUALITY_CHECK        # (base_compute imports torch)
+    return QUALITY_CHECK[mode]
+
+
+def _eight_bit_alternatives(spec, devices, w, grad_accum, schedule, split) -> list[dict]:
+    """The 8-bit plans the devices can run, as rows: mode, memory, s/step, blocks swapped, quality."""
+    best = devices_eight_bit_mode(devices)
+    rows = []
+    for mode in ([best] if best == "int8" else ["fp8", "int8"]) if best else []:
+        try:
+            alt = _plan_for_schedule(spec, devices, eight_bit_workload(w, mode), grad_accum, schedule, split)
+        except PlanError:
+            continue
+        rows.append({"base_compute": mode, "forecast_gib": max(s.forecast_gib for s in alt.stages),
+                     "predicted_step_s": alt.predicted_step_s, "swapped_blocks": len(alt.offloaded_blocks),
+                     "swap_bytes_per_step": alt.swap_bytes_per_step, "quality": _quality(mode)})
+    return rows
+
+
+def choose_base_compute(spec: ArchSpec, devices: list[Device], w: Workload, grad_accum: int = 1,
+                        schedule: str = "auto", split: list[int] | None = None) -> Plan:
+    """base_compute = auto: bf16 wherever it fits without block swap (the exact base); otherwise the
+    8-bit base the devices have tensor cores for (fp8 from Ada/Hopper on, int8 on Ampere), which holds
+    and streams half the bytes, unless the forecast says it would be slower. The plan says which and why."""
+    try:
+        plan16, error = plan_training(spec, devices, dataclasses.replace(w, base_compute="bf16"), grad_accum,
+                                      schedule, split), None
+    except PlanError as err:
+        plan16, error = None, err
+    if plan16 is not None and not plan16.offloaded_blocks:
+        plan16.base_compute_note = "base compute auto: bf16 (the model fits without block swap)"
+        return plan16
+    mode = devices_eight_bit_mode(devices)
+    plan8 = None
+    if mode is not None:
+        try:
+            plan8 = _plan_for_schedule(spec, devices, eight_bit_workload(w, mode), grad_accum, schedule, split)
+        except PlanError:
+            pass
+    if plan8 is None:
+        if error is not None:
+            raise error
+        why = (f"{mode} does not fit either" if mode else "these devices have no 8-bit tensor cores: fp8 needs "
+               "Ada/Hopper or newer, int8 Ampere or newer")
+        plan16.base_compute_note = f"base compute auto: bf16 ({why})"
+        return plan16
+    if plan16 is None:
+        plan8.base_compute_note = (f"base compute auto: {mode} (bf16 does not fit even with block swap; {mode} "
+                                   f"holds the base at 1 byte a weight; {_quality(mode)})")
+        return plan8
+    swaps8 = f"swaps {len(plan8.offloaded_blocks)} blocks" if plan8.offloaded_blocks else "fits without swap"
+    compared = (f"bf16 would swap {len(plan16.offloaded_blocks)} blocks at {plan16.predicted_step_s:.2f} s/step, "
+                f"{mode} {swaps8} at {plan8.predicted_step_s:.2f} s/step")
+    if plan8.predicted_step_s > plan16.predicted_step_s:
+        plan16.base_compute_note = f"base compute auto: bf16 ({compared}: bf16 is faster)"
+        return plan16
+    plan8.base_compute_note = f"base compute auto: {mode} ({compared}; {_quality(mode)})"
+    plan8.alternatives = [a for a in plan16.alternatives if a["base_compute"] != mode]
+    return plan8
+
+
+def alternatives_text(plan: Plan) -> list[str]:
+    """Lines for the plan's text: why auto chose, and the 8-bit plans beside a bf16 plan with swap."""
+    lines = [plan.base_compute_note] if plan.base_compute_note else []
+    for a in plan.alternatives:
+        swap = f"{a['swapped_blocks']} blocks swapped" if a["swapped_blocks"] else "no swap"
+        lines.append(f"with base compute {a['base_compute']}: {a['predicted_step_s']:.2f} s/step, {swap}, "
+                     f"{a['forecast_gib']:.1f} GiB; {a['quality']}")
+    return lines
+
+
 def verdict(plan: Plan, devices: list[Device]) -> str:
     busy = [s for s in plan.stages if s.blocks[1] > s.blocks[0]]
     link = "/".join(sorted({d.link for d in devices}))
     here = f"{plan.predicted_step_s:.2f} s/step"
+    if all(d.torch_device == "cpu" for d in devices):      # the cost model knows GPUs only
+        return f"A CPU run ({', '.join(d.label for d in devices)}): fits, no step-time forecast."
     if len(devices) == 1:
         if plan.offloaded_blocks:
             return (f"One GPU with block swap: {here}, streaming {plan.swap_bytes_per_step / GIB:.1f} GiB "
