@@ -10,7 +10,7 @@ import dataclasses
 from .arch import get_spec
 from .arch.base import latent_frames
 from .devices import Device, parse_device_specs, resolve_devices
-from .plan import GIB, Plan, PlanError, plan_training
+from .plan import GIB, Plan, PlanError, alternatives_text, plan_training
 
 # What a machine without a GPU is shown instead: the most common cards first.
 TYPICAL_RIGS = (("1x RTX 4090 (24 GiB, PCIe 4 x16)", ["rtx4090"]),
@@ -51,7 +51,7 @@ def format_plan(plan: Plan) -> str:
     if plan.grad_accum > 1:
         lines.append(f"micro-batch schedule: {plan.schedule} ({plan.in_flight} micro-batch"
                      f"{'es' if plan.in_flight > 1 else ''} of activations held per stage)")
-    lines += [speed_line(plan), "", plan.verdict]
+    lines += [speed_line(plan), "", plan.verdict, *alternatives_text(plan)]
     from .text_encoder_split import forecast_line
     text_encoder = forecast_line(plan)
     if text_encoder:
