@@ -6,6 +6,7 @@ traceback. ComfyUI's own interruption (Cancel) passes through untouched.
 from __future__ import annotations
 
 import contextlib
+import errno
 import re
 
 from ugpum.arch import UnknownModel
@@ -50,6 +51,11 @@ def user_message(exc: BaseException, file_name: str | None = None) -> str | None
         return _sentence(str(exc))
     if isinstance(exc, DeviceError):              # devices are typed in the Loader's devices field
         return _sentence(f"{exc} (the UGPUM Loader's devices field)")
+    if isinstance(exc, _optional("ugpum.formats.disk_space", "DiskFull")):   # a full disk: space needed and free
+        return _sentence(str(exc))
+    if isinstance(exc, OSError) and exc.errno in (errno.EACCES, errno.EROFS, errno.ENAMETOOLONG) and exc.filename:
+        return _sentence(f"Cannot write {exc.filename} ({exc.strerror}); make that folder writable, or set "
+                         "ComfyUI's output folder (--output-directory) to a folder you can write in")
     if isinstance(exc, FileNotFoundError):
         return _sentence(f"File not found: {exc.filename or exc}")
     if isinstance(exc, _optional("torch", "OutOfMemoryError")):

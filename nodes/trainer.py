@@ -15,7 +15,7 @@ from comfy_api.latest import io, ui
 from PIL import Image
 
 from ugpum.devices import CPU_TRAINABLE_PARAMS
-from ugpum.train.flow import TIMESTEP_METHODS
+from ugpum.diffusion.flow import TIMESTEP_METHODS
 from ugpum.train.dataset import IMAGE_EXTENSIONS, resolve_inside
 from ugpum.train.video import folder_has_clips
 
@@ -30,6 +30,7 @@ DEMO_DIR = REPO / "demo_datasets"
 DEMO_PREFIX = "demo/"
 INPUT_PREFIX = "input/"
 LORA_SUBFOLDER = "ugpum"
+MAX_STEPS = 100000
 DEFAULT_SAMPLE_PROMPT = ("loranne, a cartoon woman with a teal bob haircut, round yellow glasses, a red scarf "
                          "and a purple coat, waving, full body, in a park")
 
@@ -76,9 +77,11 @@ def dataset_path(choice: str) -> tuple[Path, Path]:
 
 def lora_save_path(save_name: str) -> tuple[Path, str]:
     """(absolute path, name as ComfyUI's LoRA lists show it) for loras/ugpum/<save_name>.safetensors."""
+    from ugpum.train.config import file_name_problem
     name = save_name.strip().removesuffix(".safetensors")
-    if not name or any(sep in name for sep in ("/", "\\", os.sep)) or name.startswith("."):
-        raise UGPUMError(f"{NODE}: save name {save_name!r} must be a plain file name like 'loranne_klein9b'.")
+    problem = file_name_problem(name, f"_step{MAX_STEPS}.safetensors")
+    if problem:
+        raise UGPUMError(f"{NODE}: save name {save_name!r} {problem}.")
     folder = Path(folder_paths.get_folder_paths("loras")[0]) / LORA_SUBFOLDER
     return folder / f"{name}.safetensors", f"{LORA_SUBFOLDER}/{name}.safetensors"
 
@@ -86,6 +89,14 @@ def lora_save_path(save_name: str) -> tuple[Path, str]:
 def run_folder(save_name: str) -> Path:
     """Where a run keeps its checkpoints, metrics, feature cache and samples: output/ugpum/<save name>/."""
     return Path(folder_paths.get_output_directory()) / "ugpum" / save_name.strip().removesuffix(".safetensors")
+
+
+def check_folders(out: Path, loras: Path) -> None:
+    """Before any work: the run folder (in ComfyUI's output/) and the LoRA folder can be written."""
+    from ugpum.folders import check_writable
+    check_writable(out, "the run folder", "start ComfyUI with --output-directory set to a folder you can write in")
+    check_writable(loras, "the LoRA folder", "make it writable, or name a writable loras folder first in "
+                                             "extra_model_paths.yaml")
 
 
 def make_encoders(model: UGPUMModel, clip, vae, devices=None):
@@ -160,7 +171,7 @@ class LoRATrainer(io.ComfyNode):
                                        "frames), each giving the Planner's frames from its start."),
                 io.String.Input("trigger_word", default="loranne",
                                 tooltip="Put in front of every caption that lacks it."),
-                io.Int.Input("steps", default=300, min=1, max=100000, tooltip="Optimizer steps."),
+                io.Int.Input("steps", default=300, min=1, max=MAX_STEPS, tooltip="Optimizer steps."),
                 io.Float.Input("learning_rate", default=1e-4, min=1e-7, max=1e-2, step=1e-6,
                                display_name="learning rate",
                                tooltip="AdamW's learning rate for the LoRA; 1e-4 is the usual start for FLUX.2 "
@@ -234,6 +245,7 @@ class LoRATrainer(io.ComfyNode):
         dest, lora_name = lora_save_path(save_name)
         out = run_folder(save_name)
         with user_errors(NODE):
+            check_folders(out, dest.parent)
             cfg = make_config(model, plan, data, trigger_word, steps, learning_rate, alpha, seed,
                               sample_prompt, sample_every, save_name, frame_stride, timesteps, compile, root)
             encoders = make_encoders(model, clip, vae, cfg.devices)
@@ -264,7 +276,8 @@ class LoRATrainer(io.ComfyNode):
         finally:
             encoders = module = None
             return_memory()
-        _publish(result.lora_path, dest)
+        with user_errors(NODE):
+            _publish(result.lora_path, dest)
         lora = comfy.utils.load_torch_file(str(dest), safe_load=True)
         curve = pil_to_image([loss_curve(result.losses)])
         samples = _samples_image(result.samples)

@@ -10,6 +10,7 @@ the older "scaled_fp8" files `<layer>.scale_weight`. Trained in fp8, the codes s
 per weight) and the factor is applied after ComfyUI's op casts the weight for compute (its
 `weight_function` hook); trained in another dtype, the weight is multiplied out while loading. A bf16
 matrix trained in fp8 is scaled the same way (one factor per tensor, its largest value at fp8's largest).
+Every tensor is checked for NaN and infinity as it lands (NonFiniteWeight names it).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .formats.finite import is_finite
 from .formats.safetensors_header import Header, read_header
 
 TORCH_DTYPES = {
@@ -34,6 +36,10 @@ SCALE_SUFFIXES = (".weight_scale", ".scale_weight")     # ComfyUI's fp8mixed, ol
 
 class CheckpointMismatch(ValueError):
     pass
+
+
+class NonFiniteWeight(CheckpointMismatch):
+    """A weight of the model file holds NaN or infinity: training on it could only give NaN."""
 
 
 class ScaledWeight:
@@ -144,6 +150,10 @@ def fill_from_file(model: nn.Module, layout, path: Path, key_prefix: str = "",
                                          "model's bf16 or fp8 file")
             scale = weight_scale(f, header, keys[name]) if t.dtype in FP8_DTYPES else None
             t = _load(t, device, dtype, scale, owner if attr == "weight" else None)
+            if not is_finite(t):                # checked on its device: a GPU reads it in microseconds
+                raise NonFiniteWeight(f"{path}: tensor {keys[name]} holds NaN or infinite values, so training "
+                                      "on it can only give NaN; the file is damaged or was saved from a diverged "
+                                      "run: download or export the model again")
             if isinstance(old, nn.Parameter):
                 owner._parameters[attr] = nn.Parameter(t, requires_grad=old.requires_grad)
             else:

@@ -11,15 +11,47 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from .disk_space import check_space, full_disk_error
+
 
 def _temp_name_for(final: Path) -> Path:
-    # Hidden and with a random part, so it never collides with or looks like a finished file.
-    return final.with_name(f".{final.name}.{uuid.uuid4().hex[:12]}.tmp")
+    # Hidden and with a random part, so it never collides with or looks like a finished file; the
+    # writer's process id in it tells a leftover of a killed writer from a write under way.
+    return final.with_name(f".{final.name}.{os.getpid()}-{uuid.uuid4().hex[:12]}.tmp")
+
+
+_TEMP = re.compile(r"^\..+\.(?:(\d+)-)?[0-9a-f]{12}\.tmp$")
+
+
+def is_temp_name(name: str) -> bool:
+    """Whether `name` is one of atomic_path's temporary names (this version's or an older one's)."""
+    return _TEMP.match(name) is not None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):
+        return True                      # another user's process: alive, as far as we can tell
+    return True
+
+
+def abandoned_temp(path: Path) -> bool:
+    """A temporary file whose writer is gone: its process has ended (or the name, from an older
+    version, does not say which process wrote it). A write under way in another process is kept."""
+    match = _TEMP.match(path.name)
+    if match is None:
+        return False
+    pid = match.group(1)
+    return pid is None or (int(pid) != os.getpid() and not _alive(int(pid)))
 
 
 def current_umask() -> int:
@@ -50,18 +82,22 @@ def _fsync_file(path: Path) -> None:
 
 
 @contextlib.contextmanager
-def atomic_path(final: Path | str) -> Iterator[Path]:
+def atomic_path(final: Path | str, needed: int | None = None, kept: str | None = None) -> Iterator[Path]:
     """Yield a temporary path next to `final`; the body writes it completely.
 
     On success the temporary file, given the umask's mode (`honour_umask`), replaces `final` in one
     step. On any exception the temporary file is removed, `final` is left as it was, and the
-    exception propagates.
+    exception propagates; a full disk as DiskFull, one sentence naming the file and the free space
+    (`needed`: the bytes the file takes, when known, checked before anything is written; `kept`:
+    what the sentence may say is kept).
     """
     final = Path(final)
     if not final.parent.is_dir():
         raise FileNotFoundError(
             f"cannot write {final}: folder {final.parent} does not exist; create it first"
         )
+    if needed is not None:
+        check_space(final.parent, needed, final.name, kept)
     temp = _temp_name_for(final)
     try:
         yield temp
@@ -72,8 +108,11 @@ def atomic_path(final: Path | str) -> Iterator[Path]:
         _fsync_file(temp)
         honour_umask(temp)
         os.replace(temp, final)
-    except BaseException:
+    except BaseException as err:
         temp.unlink(missing_ok=True)
+        full = full_disk_error(err, final.parent, final.name, needed, kept)
+        if full is not err:
+            raise full from err
         raise
 
 

@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import save_file
 
 from ugpum.formats.atomic import atomic_path
+from ugpum.formats.finite import NonFinite, non_finite, shown
 
 TRAINER_VERSION = "ugpum 0.1.0"
 PREFIX = "diffusion_model."
@@ -182,8 +183,10 @@ def save_lora(
     alpha: float,
     metadata: Mapping[str, str] | None = None,
     dtype: torch.dtype = torch.bfloat16,
+    kept: str | None = None,
 ) -> Path:
-    """Write a LoRA safetensors file atomically; returns its path.
+    """Write a LoRA safetensors file atomically; returns its path. Never a LoRA with NaN or infinite
+    values (NonFinite), never one the disk cannot hold (DiskFull, saying `kept`: what is kept).
 
     `tensors`: {module path: (A [rank, in], B [out, rank])} or a flat dict of full keys.
     Alpha is stored as a float32 scalar (bf16 would round values like 0.3).
@@ -213,7 +216,12 @@ def save_lora(
         out[f"{PREFIX}{module}.lora_B.weight"] = B.detach().to("cpu", dtype).contiguous()
         out[f"{PREFIX}{module}.alpha"] = alpha_tensor.clone()
 
-    with atomic_path(path) as temp:
+    bad = non_finite(out.items())
+    if bad:
+        raise NonFinite(f"LoRA {path}: not saved, it holds NaN or infinite values ({shown(bad)}); training "
+                        "diverged: lower the learning rate or clip gradients, and train from the last good checkpoint")
+    needed = sum(t.numel() * t.element_size() for t in out.values()) + len(json.dumps(full_metadata)) + 100 * len(out)
+    with atomic_path(path, needed=needed, kept=kept) as temp:
         save_file(out, str(temp), metadata=full_metadata)
     return path
 

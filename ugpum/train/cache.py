@@ -4,6 +4,8 @@ A key covers the image's content digest (a clip's, with its frames and stride; o
 the bucket and the encoders' identity, so a changed image, clip, caption or encoder gives a new key
 (the stale entry is simply not used); a damaged file is rebuilt. Files are written under a temporary name and
 renamed. A clip's latent is [16, T', h, w] with T' = 1 + (frames - 1) / 4 (Wan's VAE).
+The folder is checked writable before anything is computed, and each entry's size against the free
+space before it is written: either problem is one sentence naming the folder and the fix.
 """
 from __future__ import annotations
 
@@ -16,15 +18,21 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..arch.base import latent_frames
+from ..folders import check_writable
 from ..formats.atomic import atomic_path
 from .dataset import ImageItem, load_bucketed_image
 from .encoders import Encoders
 from .video import ClipItem, content_digest, load_bucketed_clip
 
 
+# What a full disk during caching keeps (said in the DiskFull sentence).
+KEPT = "the features cached so far are kept (or set cache_dir to a folder on another disk)"
+
+
 class FeatureCache:
-    def __init__(self, folder: str | Path, encoders: Encoders):
-        self.folder = Path(folder)
+    def __init__(self, folder: str | Path, encoders: Encoders, setting: str = "cache_dir"):
+        self.folder = check_writable(folder, setting, "set cache_dir to a folder you can write in, or make "
+                                                      "this one writable")
         self.encoders = encoders
         self.hits = 0
         self.misses = 0
@@ -47,7 +55,8 @@ class FeatureCache:
                 pass                                   # damaged entry: rebuild it below
         tensor = compute().detach().cpu().contiguous()
         path.parent.mkdir(parents=True, exist_ok=True)
-        with atomic_path(path) as tmp:
+        needed = tensor.numel() * tensor.element_size() + 1024
+        with atomic_path(path, needed=needed, kept=KEPT) as tmp:
             save_file({"value": tensor}, str(tmp), metadata={"encoders": self.encoders.identity})
         self.misses += 1
         return tensor

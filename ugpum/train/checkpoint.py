@@ -7,12 +7,15 @@ pointer is a convenience: a resume finds the newest complete folder without it (
 Randomness needs no saved state: every step draws from generators seeded by (seed, step).
 
 state.json also records the run's identity (`run_identity`): its whole TrainConfig, the dataset's
-content hash, the model file's header digest and the LoRA's shapes. A resume compares them
-(`check_same_run`) and continues only the same run.
+content hash, the model file's header digest and weights fingerprint, and the LoRA's shapes. A resume
+compares them (`check_same_run`) and continues only the same run.
+
+A checkpoint is never written with a NaN or an infinity in it, nor started on a disk it cannot fit on;
+a resume skips a damaged checkpoint (a file cut short or emptied) for the newest intact one before it,
+saying so (`usable_checkpoint`).
 """
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import os
@@ -23,8 +26,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..formats.atomic import honour_umask, write_json_atomic
-from .lora import LoraSet
+from ..formats.atomic import abandoned_temp, honour_umask, write_json_atomic
+from ..formats.disk_space import DiskFull, check_space, full_disk_error
+from ..formats.finite import NonFinite, non_finite, shown
+from ..formats.safetensors_header import HeaderError, check_file
+from ..lora import LoraSet
 
 LATEST = "latest.json"
 
@@ -33,12 +39,7 @@ class CheckpointError(ValueError):
     pass
 
 
-class DiskFull(OSError):
-    """No space left for a checkpoint or a LoRA; the message says how much is needed."""
-
-    def __init__(self, message: str):
-        super().__init__(message)
-        self.errno = errno.ENOSPC
+__all__ = ["DiskFull", "NonFinite"]       # (re-exported: what a save here raises)
 
 
 # Settings that may change between a run and its resume: how long, how it is watched and saved,
@@ -66,7 +67,9 @@ def check_same_run(saved: dict, now: dict, folder: Path) -> None:
     different = [f"{name} ({saved['config'].get(name)!r} in the checkpoint, {value!r} now)"
                  for name, value in now["config"].items()
                  if name not in MAY_CHANGE and saved["config"].get(name, value) != value]
-    for name, key in (("model", "id"), ("model file", "header_digest")):
+    for name, key in (("model", "id"), ("model file", "header_digest"), ("base weights", "weights_fingerprint")):
+        if key == "weights_fingerprint" and key not in saved["model"]:
+            continue                       # (a checkpoint from before fingerprints: its header digest decides)
         if saved["model"].get(key) != now["model"].get(key):
             different.append(f"{name} ({saved['model'].get(key)} in the checkpoint, {now['model'].get(key)} now)")
     if saved["dataset_hash"] != now["dataset_hash"]:
@@ -91,24 +94,43 @@ def checkpoint_bytes(lora: LoraSet, optimizer: torch.optim.Optimizer) -> int:
     return weights + (state or 2 * weights)            # before the first step: AdamW's two moments
 
 
-FULL = (errno.ENOSPC, errno.EDQUOT)
-
-
-def disk_full(err: Exception, what: str, folder: Path, needed: int) -> Exception:
+def disk_full(err: BaseException, what: str, folder: Path, needed: int | None, kept: str | None = None) -> BaseException:
     """A full disk (ENOSPC/EDQUOT, also as safetensors reports it) as one sentence with the space
-    needed; other errors as they are."""
-    full = getattr(err, "errno", None) in FULL or any(f"os error {n})" in str(err) for n in FULL)
-    if not full:
-        return err
-    free = shutil.disk_usage(folder).free if folder.exists() else 0
-    return DiskFull(f"no space left on the disk holding {folder} for {what}: it needs about "
-                               f"{needed / 2**20:.0f} MiB and {free / 2**20:.0f} MiB are free; free some space "
-                               "and resume the run (what was trained is kept in its last complete checkpoint)")
+    needed and free, and `kept` (what is kept, only when true); other errors as they are."""
+    return full_disk_error(err, folder, what, needed, kept)
 
 
-def save_checkpoint(out: Path, step: int, lora: LoraSet, optimizer: torch.optim.Optimizer, extra: dict) -> Path:
+def full_disk_kept(full: BaseException, out: Path, at: int, lora_path: Path | None) -> DiskFull:
+    """`full` (a save at step `at` found the disk full) with what is on disk after it, truly: the LoRA of
+    that step when it was saved, the newest intact checkpoint (which a resume continues from), or none."""
+    checkpoint = latest_checkpoint(out)
+    kept = [f"the LoRA of step {at} ({lora_path.name})"] if lora_path else []
+    kept += [f"the checkpoint {checkpoint.name}, which --resume {out} continues from"] if checkpoint else []
+    said = ("kept: " + " and ".join(kept)) if kept else "no checkpoint of this run is on disk, so nothing can resume it"
+    err = DiskFull(f"{full}; {said}")
+    err.save_step = at                   # the run does not try this very save again on its way out
+    return err
+
+
+def check_finite_lora(lora: LoraSet, what: str) -> None:
+    """Refuse to save a LoRA holding a NaN or an infinity (the last good save stays as it is)."""
+    bad = non_finite((name, p.detach()) for name, p in _params(lora))
+    if bad:
+        raise NonFinite(f"{what}: not saved, the LoRA holds NaN or infinite values ({shown(bad)}); training "
+                        "diverged: lower lr or turn on gradient clipping (max_grad_norm), and resume from the "
+                        "last good checkpoint")
+
+
+def save_checkpoint(out: Path, step: int, lora: LoraSet, optimizer: torch.optim.Optimizer, extra: dict,
+                    kept: str | None = None) -> Path:
+    """Write the checkpoint of step `step` (never one with non-finite values, never one the disk cannot
+    hold: DiskFull says how much it needs, how much is free, and `kept`)."""
     root = Path(out) / "checkpoints"
+    what = f"the checkpoint at step {step}"
+    check_finite_lora(lora, what)
     root.mkdir(parents=True, exist_ok=True)
+    needed = checkpoint_bytes(lora, optimizer)
+    check_space(root, needed, what, kept)
     final = root / f"step_{step:06d}"
     tmp = root / f".tmp_step_{step:06d}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -117,11 +139,14 @@ def save_checkpoint(out: Path, step: int, lora: LoraSet, optimizer: torch.optim.
         _write_checkpoint(tmp, final, step, lora, optimizer, extra)
     except Exception as err:                  # safetensors reports a full disk as its own error type
         shutil.rmtree(tmp, ignore_errors=True)
-        full = disk_full(err, f"the checkpoint at step {step}", root, checkpoint_bytes(lora, optimizer))
+        full = disk_full(err, what, root, needed, kept)
         if full is err:
             raise
         raise full from err
-    write_json_atomic(root / LATEST, {"step": step, "folder": final.name})
+    try:
+        write_json_atomic(root / LATEST, {"step": step, "folder": final.name})
+    except OSError:
+        pass                                  # a convenience: a resume finds the newest folder without it
     return final
 
 
@@ -152,39 +177,65 @@ def _write_checkpoint(tmp: Path, final: Path, step: int, lora: LoraSet, optimize
 CHECKPOINT_FILES = ("lora.safetensors", "optimizer.safetensors", "state.json")
 
 
-def _complete_step(folder: Path) -> int | None:
-    """The step of a complete checkpoint folder (all its files, a readable state.json), else None."""
+def damage(folder: Path) -> str | None:
+    """What makes a checkpoint folder unusable (a file missing, empty, cut short or damaged; state.json
+    unreadable or of another step), or None for an intact one. Reads headers and sizes, no weights."""
+    for name in CHECKPOINT_FILES:
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size == 0:
+            return f"{name} is empty"
     try:
-        if not all((folder / name).is_file() for name in CHECKPOINT_FILES):
-            return None
         step = json.loads((folder / "state.json").read_text())["step"]
-        return step if isinstance(step, int) and folder.name == f"step_{step:06d}" else None
     except (OSError, ValueError, KeyError, TypeError):
-        return None
+        return "state.json is damaged"
+    if not isinstance(step, int) or folder.name != f"step_{step:06d}":
+        return f"state.json names step {step!r}, not this folder's"
+    for name in CHECKPOINT_FILES[:2]:
+        try:
+            check_file(folder / name)
+        except (HeaderError, OSError):
+            return f"{name} is cut short or damaged"
+    return None
 
 
-def latest_checkpoint(out: Path) -> Path | None:
-    """The newest complete checkpoint of a run folder: the one latest.json names, or, when that
-    pointer is missing, corrupt or stale, the complete step_* folder of the highest step."""
+def _folder_step(folder: Path) -> int | None:
+    digits = folder.name.removeprefix("step_")
+    return int(digits) if folder.name.startswith("step_") and digits.isdigit() else None
+
+
+def latest_checkpoint(out: Path, log=None) -> Path | None:
+    """The newest intact checkpoint of a run folder (latest.json is a convenience: a pointer missing,
+    corrupt or stale changes nothing). A newer one that is damaged is skipped; `log`, when given, hears
+    which and why, so a fallback is never silent."""
     root = Path(out) / "checkpoints"
-    try:
-        named = root / json.loads((root / LATEST).read_text())["folder"]
-        if _complete_step(named) is not None and named.parent == root:
-            newer = [f for f in root.glob("step_*") if (_complete_step(f) or 0) > _complete_step(named)]
-            if not newer:
-                return named
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    found = [(step, f) for f in root.glob("step_*") if (step := _complete_step(f)) is not None]
-    return max(found)[1] if found else None
+    folders = sorted(((step, f) for f in root.glob("step_*") if (step := _folder_step(f)) is not None
+                      and f.is_dir()), reverse=True)
+    skipped = []
+    for _, folder in folders:
+        problem = damage(folder)
+        if problem is None:
+            if skipped and log:
+                log(f"checkpoint{'s' if len(skipped) > 1 else ''} {'; '.join(skipped)}: continuing from the "
+                    f"newest intact one, {folder.name}, instead")
+            return folder
+        skipped.append(f"{folder.name} cannot be used ({problem})")
+    if skipped and log:
+        log(f"checkpoint{'s' if len(skipped) > 1 else ''} {'; '.join(skipped)}")
+    return None
 
 
-def remove_leftovers(out: Path) -> list[Path]:
-    """Delete what an interrupted save left behind (temporary checkpoint folders and atomic-write
-    temporaries) in a run folder; returns what was removed."""
+def remove_leftovers(out: Path, cache_dir: str | Path | None = None) -> list[Path]:
+    """Delete what an interrupted save left behind (temporary checkpoint folders, and atomic-write
+    temporaries whose writer is gone) in a run folder, its samples and feature cache (`cache_dir`
+    when the cache lives elsewhere); returns what was removed."""
     out = Path(out)
+    folders = [out, out / "checkpoints", out / "samples"]
+    for cache in {out / "cache", Path(cache_dir) if cache_dir else out / "cache"}:
+        folders += [cache / "latents", cache / "text"]
     gone = [p for p in (out / "checkpoints").glob(".tmp_step_*")] + \
-        [p for folder in (out, out / "checkpoints", out / "samples") for p in folder.glob(".*.tmp")]
+        [p for folder in folders for p in folder.glob(".*.tmp") if abandoned_temp(p)]
     for p in gone:
         shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
     return gone
@@ -192,12 +243,16 @@ def remove_leftovers(out: Path) -> list[Path]:
 
 def load_checkpoint(folder: Path, lora: LoraSet, optimizer: torch.optim.Optimizer) -> dict:
     """Restore LoRA weights and optimizer state in place; returns state.json's content."""
+    problem = damage(folder)
+    if problem:
+        raise CheckpointError(f"{folder}: cannot resume from it: {problem}")
     try:
         state = json.loads((folder / "state.json").read_text())
         weights = load_file(str(folder / "lora.safetensors"))
         opt = load_file(str(folder / "optimizer.safetensors"))
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{folder}: cannot read the checkpoint ({e})") from None
+    except Exception as e:  # noqa: BLE001 - safetensors' own error type too (a file changed since `damage`)
+        raise CheckpointError(f"{folder}: cannot read the checkpoint ({e}); resume again to fall back to "
+                              "the checkpoint before it") from None
     params = _params(lora)
     if set(weights) != {name for name, _ in params} or any(weights[n].shape != p.shape for n, p in params):
         raise CheckpointError(f"{folder}: its LoRA does not match this run's (other model, rank or targets)")

@@ -2,15 +2,16 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..arch import Workload, get_spec, model_ids
-from ..distributed.schedules import DISTRIBUTED_ONLY
+from ..schedules import ALL_SETTINGS as SCHEDULE_SETTINGS
 from ..dtypes import TRAINING_DTYPES
-from .flow import TIMESTEP_METHODS
+from ..diffusion.flow import TIMESTEP_METHODS
 
 
 class ConfigError(ValueError):
@@ -66,6 +67,33 @@ def _type_problem(value, annotation: str) -> str:
         ok = isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value)
         return "" if ok else 'a list of text, such as ["a", "b"]'
     return ""                              # a type this check does not know: the field's own code checks it
+
+
+# The longest file name one UTF-8 name may take on Linux, macOS and Windows filesystems (in bytes).
+MAX_NAME_BYTES = 255
+_WINDOWS_FORBIDDEN = '<>:"|?*'
+
+
+def file_name_problem(name: str, longest_suffix: str = ".safetensors") -> str:
+    """'' when `name` can be a file name on every common filesystem with `longest_suffix` added (the
+    longest name the run writes from it), else what is wrong with it and how to fix it."""
+    if not name.strip():
+        return "is empty; give a name such as 'my_lora'"
+    if any(ord(c) < 32 or ord(c) == 127 for c in name):
+        return "holds a control character (NUL, tab or line break); use letters, digits, '-' and '_'"
+    if "/" in name or "\\" in name:
+        return "holds a folder separator ('/' or '\\'); give a plain file name, no folders"
+    if name.startswith("."):
+        return "starts with a dot (a hidden file); start it with a letter or digit"
+    if any(c in _WINDOWS_FORBIDDEN for c in name):
+        return f"holds one of {' '.join(_WINDOWS_FORBIDDEN)}, which Windows cannot store in a file name"
+    if name != name.rstrip(" ."):
+        return "ends with a space or a dot, which Windows drops from file names"
+    size = len((name + longest_suffix).encode("utf-8"))
+    if size > MAX_NAME_BYTES:
+        return (f"is too long: with {longest_suffix!r} it takes {size} bytes and a file name may take "
+                f"{MAX_NAME_BYTES}; shorten it")
+    return ""
 
 
 def _smallest_linear(spec) -> int:
@@ -170,15 +198,15 @@ class TrainConfig:
              "a number from 0 to 100 (training default 1.0), or leave it unset")
         need(self.sample_guidance is None or 0 <= self.sample_guidance <= 100, "sample_guidance",
              "a number from 0 to 100 (FLUX.2 dev's sampling default is 4.0), or leave it unset")
-        need(self.schedule in ("auto", "sequential", "gpipe", "1f1b", *DISTRIBUTED_ONLY), "schedule",
+        need(self.schedule in SCHEDULE_SETTINGS, "schedule",
              "auto, sequential, gpipe or 1f1b (with --distributed also interleaved-1f1b or zero-bubble)")
         need(bool(self.devices) and all(d.strip() for d in self.devices), "devices",
              'a list of devices such as ["auto"], ["cuda:0", "cuda:1"] or ["cpu"]')
         need(all(t.strip() for t in self.targets), "targets", "names of layers (substrings of their paths), no empty ones")
-        need(bool(self.output_name) and "/" not in self.output_name and "\\" not in self.output_name
-             and not self.output_name.startswith("."), "output_name", "a plain file name, no folders")
+        problem = file_name_problem(self.output_name, f"_step{self.steps}.safetensors")
+        need(not problem, "output_name", problem)
         need(self.compile in ("auto", "on", "off"), "compile", "auto, on or off")
-        need(self.base_compute in ("bf16", "fp8", "int8"), "base_compute", "bf16, fp8 or int8")
+        need(self.base_compute in ("auto", "bf16", "fp8", "int8"), "base_compute", "auto, bf16, fp8 or int8")
         if self.dataset_root is not None and self.dataset:
             from .musubi_toml import check_inside
             check_inside(self.dataset, self.dataset_root)        # DatasetError naming the path outside
@@ -188,7 +216,7 @@ class TrainConfig:
         """One step's shape, as the planner sees it (text at ComfyUI's padded 512 tokens). An 8-bit
         base_compute holds the base weights at 1 byte each on the GPUs, as fp8 weights are. compile=auto
         is planned as compiled (what it does on a CUDA GPU with Triton; it says so where it cannot)."""
-        held = "fp8" if self.base_compute != "bf16" else self.weight_dtype
+        held = "fp8" if self.base_compute in ("fp8", "int8") else self.weight_dtype     # (auto: the planner's)
         return Workload(width=self.resolution, height=self.resolution, frames=self.frames, batch=self.batch,
                         rank=self.rank, checkpointing=self.checkpointing, weight_dtype=held,
                         compiled=self.compile != "off", base_compute=self.base_compute)
@@ -239,7 +267,7 @@ def load_config(profile: str = "", toml_file: str | Path = "", overrides: dict |
     if toml_file:
         path = Path(toml_file)
         try:
-            data = tomllib.loads(path.read_text(encoding="utf-8"))
+            data = tomllib.loads(path.read_text(encoding="utf-8-sig"))   # (a BOM, as Notepad writes one, is no TOML)
         except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
             raise ConfigError(f"{path}: cannot read the config ({e})") from None
         table = data.get("train", data)
@@ -247,9 +275,38 @@ def load_config(profile: str = "", toml_file: str | Path = "", overrides: dict |
             raise ConfigError(f"{path}: [train] must be a table of settings (train.steps = 50, ...), "
                               f"not {type(table).__name__}")
         values.update(table)
+        _refuse_unknown(table, str(path))
     values.update({k: v for k, v in (overrides or {}).items() if v is not None})
-    known = {f.name for f in dataclasses.fields(TrainConfig)}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise ConfigError(f"unknown setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    _refuse_unknown(values, "the settings")
     return TrainConfig(**values).validate()
+
+
+# What other trainers (musubi-tuner, kohya's sd-scripts, diffusers' scripts) call some of these settings.
+OTHER_NAMES = {"learning_rate": "lr", "network_dim": "rank", "network_alpha": "alpha", "lora_rank": "rank",
+               "lora_alpha": "alpha", "max_train_steps": "steps", "train_batch_size": "batch",
+               "batch_size": "batch", "gradient_accumulation_steps": "grad_accum", "lr_scheduler": "lr_schedule",
+               "lr_warmup_steps": "warmup_steps", "optimizer_type": "optimizer", "dit": "model_file",
+               "gradient_checkpointing": "checkpointing", "timestep_sampling": "timesteps",
+               "discrete_flow_shift": "shift", "caption_dropout_rate": "caption_dropout",
+               "save_every_n_steps": "save_every", "sample_every_n_steps": "sample_every",
+               "mixed_precision": "weight_dtype", "train_data_dir": "dataset", "dataset_config": "dataset"}
+
+
+def closest_setting(name: str) -> str | None:
+    """The setting a misspelt or foreign name most likely means, or None."""
+    known = [f.name for f in dataclasses.fields(TrainConfig)]
+    if name in OTHER_NAMES:
+        return OTHER_NAMES[name]
+    close = difflib.get_close_matches(name.lower().replace("-", "_"), known, n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
+def _refuse_unknown(values: dict, where: str) -> None:
+    """One sentence naming every unknown key of `where`, each with the setting it most likely means."""
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    unknown = sorted(k for k in values if k not in known)
+    if not unknown:
+        return
+    named = [f"{k} (did you mean {guess}?)" if (guess := closest_setting(k)) else k for k in unknown]
+    raise ConfigError(f"{where}: unknown setting{'s' if len(unknown) > 1 else ''} {', '.join(named)}; "
+                      f"the settings are {', '.join(sorted(known))}")

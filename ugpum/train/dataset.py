@@ -232,11 +232,20 @@ def _open_rgb(path: Path) -> Image.Image:
         ) from error
 
 
+_UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff")
+
+
 def _read_caption(path: Path) -> str:
+    """A caption as a user's editor wrote it: UTF-8 with or without a byte-order mark (Windows Notepad
+    writes one), UTF-16 with its mark ("Unicode" in Notepad); Windows or old Mac line ends; spaces
+    at line ends and blank lines around the text dropped (none of it is meant as caption)."""
+    raw = path.read_bytes()
     try:
-        return path.read_text(encoding="utf-8").strip()
+        text = raw.decode("utf-16") if raw[:2] in _UTF16_BOMS else raw.decode("utf-8-sig")
     except UnicodeDecodeError as error:
         raise DatasetError(f"caption file {path} is not UTF-8 text; re-save it as UTF-8") from error
+    lines = text.replace("\r\n", "\n").replace("\r", "\n").split("\n")
+    return "\n".join(line.rstrip() for line in lines).strip()
 
 
 def _with_trigger(caption: str, trigger: str) -> str:

@@ -101,7 +101,7 @@ def load_musubi_toml(path: Path | str, trigger: str = "", family: str = "flux2",
 def _read(path: Path) -> tuple[dict, list[dict]]:
     """([general], [[datasets]]) of a dataset TOML, its sections and [general]'s keys checked."""
     try:
-        config = tomllib.loads(path.read_text(encoding="utf-8"))
+        config = tomllib.loads(path.read_text(encoding="utf-8-sig"))   # (a BOM, as Notepad writes one, is no TOML)
     except FileNotFoundError as error:
         raise DatasetError(f"dataset config {path} does not exist; check the path") from error
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:

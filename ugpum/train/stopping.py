@@ -4,7 +4,8 @@ Ctrl-C raises KeyboardInterrupt; SIGTERM (`kill`, `timeout`, `docker stop`, syst
 same (`Stopped`), so both take the path that saves a checkpoint and the LoRA so far. While a save is
 being written, both signals are held back (`saving`): a second Ctrl-C cannot cut a checkpoint in
 half. Signal handlers exist only in the main thread; elsewhere (ComfyUI runs nodes in a worker
-thread, and stops them with its own Cancel) these are no-ops.
+thread, and stops them with its own Cancel) these are no-ops. A stop in any other phase (reading the
+data, caching features, placing the model) says what is kept and how to go on (`stopped_note`).
 """
 from __future__ import annotations
 
@@ -64,3 +65,15 @@ def saving(log, stopping: bool = False):
         if held[0] == signal.SIGINT:
             raise KeyboardInterrupt
         raise Stopped(held[0])
+
+
+def stopped_note(out, resume: bool = False) -> str:
+    """Where a run stopped outside its steps' own saves stands (reading data, caching features, placing
+    the model, validating): what is kept and the command that goes on."""
+    from .checkpoint import latest_checkpoint
+    checkpoint = latest_checkpoint(out)
+    if checkpoint is not None:
+        return (f"stopped before any new step was trained: {out} keeps its checkpoint {checkpoint.name}; "
+                f"continue with --resume {out}")
+    return (f"stopped before the first step: nothing was trained; the features cached so far are kept, so "
+            f"the same command{' (without --resume)' if resume else ''} starts again from them")
