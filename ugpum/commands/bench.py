@@ -13,8 +13,11 @@ BENCH_DIR = PACK_ROOT / "bench"
 
 
 def add_bench_parser(sub) -> None:
+    # `bench --help` is this verb's help; `bench NAME --help` reaches the benchmark (REMAINDER after NAME)
     p = sub.add_parser("bench", help="GPU benchmarks (bench/NAME.py: swap, pipeline, speed, ...) recorded into "
-                                     "bench/results", add_help=False)
+                                     "bench/results",
+                       description="Runs bench/NAME.py of this checkout with its own arguments; "
+                                   "`bench NAME --help` lists them. Results go to bench/results/.")
     p.add_argument("name", nargs="?", help="the benchmark: " + ", ".join(available()))
     p.add_argument("args", nargs=argparse.REMAINDER, help="its own arguments (NAME --help lists them)")
 
