@@ -1,0 +1,167 @@
+"""Issue 26, the saves: a full disk (a real small tmpfs), damaged checkpoints, non-finite tensors, the
+run-folder lock, leftovers of killed writers, the base-weights fingerprint. Real files throughout."""
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from ugpum.formats.atomic import atomic_path
+from ugpum.formats.disk_space import DiskFull, size_text
+from ugpum.formats.fingerprint import weights_fingerprint
+from ugpum.formats.finite import NonFinite, is_finite
+from ugpum.formats.lora_file import save_lora
+from ugpum.lora import attach_lora
+from ugpum.train.checkpoint import (CheckpointError, check_same_run, latest_checkpoint, load_checkpoint,
+                                    remove_leftovers, save_checkpoint)
+from ugpum.train.run_lock import LOCK_NAME, RunLock, RunLocked, hold_run_folder
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real filesystem of 1 MiB (tmpfs); skipped where this machine does not let the test mount one."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+def a_lora(rank: int = 4, width: int = 64):
+    model = nn.Sequential(nn.Linear(width, width), nn.Linear(width, width))
+    lora = attach_lora(model, ["0", "1"], rank, float(rank), seed=1)
+    optimizer = torch.optim.AdamW([p for _, a in lora.items() for p in (a.A, a.B)], lr=1e-3)
+    return model, lora, optimizer
+
+
+def one_step(model, optimizer):
+    model(torch.randn(2, model[0].in_features)).pow(2).mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def test_sizes_are_never_rounded_to_nothing():
+    assert size_text(812) == "812 bytes"
+    assert size_text(3 * 2**20 + 2**19) == "3.5 MiB"
+
+
+def test_a_write_that_cannot_fit_is_refused_before_it_starts(small_disk):
+    final = small_disk / "big.bin"
+    with pytest.raises(DiskFull) as caught:
+        with atomic_path(final, needed=4 * 2**20, kept="the earlier file is kept") as tmp:
+            tmp.write_bytes(b"x")
+    text = str(caught.value)
+    assert f"no space left on the disk holding {small_disk} for big.bin: it needs about 4.1 MiB and" in text
+    assert "MiB are free" in text and text.endswith("the earlier file is kept") and "Errno" not in text
+    assert list(small_disk.iterdir()) == []                       # nothing started, nothing left
+
+
+def test_a_write_that_fills_the_disk_becomes_a_sentence_and_leaves_nothing(small_disk):
+    final = small_disk / "grown.bin"
+    with pytest.raises(DiskFull) as caught:
+        with atomic_path(final) as tmp:                          # size unknown beforehand
+            tmp.write_bytes(b"\0" * 2 * 2**20)
+    assert "no space left on the disk holding" in str(caught.value) and "are free" in str(caught.value)
+    assert list(small_disk.iterdir()) == []
+
+
+def test_a_checkpoint_that_does_not_fit_is_refused_and_the_earlier_one_stays(small_disk):
+    model, lora, optimizer = a_lora(rank=64, width=512)          # 256 KiB of LoRA, 768 KiB of checkpoint
+    one_step(model, optimizer)
+    with pytest.raises(DiskFull) as caught:
+        save_checkpoint(small_disk, 1, lora, optimizer, {})
+    assert "for the checkpoint at step 1: it needs about" in str(caught.value)
+    assert not [p for p in (small_disk / "checkpoints").iterdir()]          # no half-written folder
+    lora_path = save_lora(small_disk / "l.safetensors", {p: (a.A, a.B) for p, a in lora.items()}, 64, 64.0)
+    assert lora_path.is_file()                                   # the smaller LoRA still fits
+
+
+def test_nothing_non_finite_is_ever_saved(tmp_path):
+    model, lora, optimizer = a_lora()
+    one_step(model, optimizer)
+    save_checkpoint(tmp_path, 1, lora, optimizer, {})
+    with torch.no_grad():
+        next(iter(lora.items()))[1].B[0, 0] = float("nan")
+    with pytest.raises(NonFinite, match="not saved, the LoRA holds NaN or infinite values"):
+        save_checkpoint(tmp_path, 2, lora, optimizer, {})
+    with pytest.raises(NonFinite, match="not saved"):
+        save_lora(tmp_path / "x.safetensors", {p: (a.A, a.B) for p, a in lora.items()}, 4, 4.0)
+    assert latest_checkpoint(tmp_path).name == "step_000001" and not (tmp_path / "x.safetensors").exists()
+
+
+def test_fp8_non_finite_values_are_found():
+    t = torch.zeros(4, dtype=torch.float32).to(torch.float8_e4m3fn)
+    assert is_finite(t)
+    t.view(torch.uint8)[2] = 0x7F                                # e4m3fn's NaN
+    assert not is_finite(t)
+    assert not is_finite(torch.tensor([1.0, float("inf")], dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("damage", ["cut", "empty"])
+@pytest.mark.parametrize("victim", ["lora.safetensors", "optimizer.safetensors"])
+def test_a_damaged_checkpoint_is_skipped_for_the_one_before_saying_so(tmp_path, damage, victim):
+    model, lora, optimizer = a_lora()
+    for step in (1, 2, 3):
+        one_step(model, optimizer)
+        save_checkpoint(tmp_path, step, lora, optimizer, {})
+    hit = tmp_path / "checkpoints" / "step_000003" / victim
+    hit.write_bytes(hit.read_bytes()[: hit.stat().st_size // 2] if damage == "cut" else b"")
+    said = []
+    assert latest_checkpoint(tmp_path, said.append).name == "step_000002"
+    state = "cut short or damaged" if damage == "cut" else "empty"
+    assert said == [f"checkpoint step_000003 cannot be used ({victim} is {state}): continuing from the newest "
+                    "intact one, step_000002, instead"]
+    with pytest.raises(CheckpointError, match=f"cannot resume from it: {victim} is {state}"):
+        load_checkpoint(hit.parent, lora, optimizer)
+    load_checkpoint(tmp_path / "checkpoints" / "step_000002", lora, optimizer)     # the fallback loads
+
+
+def test_leftovers_of_killed_writers_go_and_writes_under_way_stay(tmp_path):
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    latents = tmp_path / "cache" / "latents"
+    latents.mkdir(parents=True)
+    killed = latents / f".abc.safetensors.{dead.pid}-0123456789ab.tmp"
+    older = tmp_path / ".ugpum_lora.safetensors.0123456789ab.tmp"             # an older version's name
+    under_way = latents / f".def.safetensors.{os.getppid()}-0123456789ab.tmp"   # a live process writes it
+    for p in (killed, older, under_way):
+        p.write_bytes(b"half")
+    removed = remove_leftovers(tmp_path)
+    assert sorted(removed) == sorted([killed, older]) and under_way.exists()
+
+
+def test_one_run_at_a_time_and_a_killed_runs_lock_is_taken_over(tmp_path):
+    out = tmp_path / "run"
+    with hold_run_folder(out) as lock:
+        assert (out / LOCK_NAME).is_file()
+        with pytest.raises(RunLocked, match=rf"{out} is in use by another run \(process {os.getpid()} on "):
+            RunLock(out).acquire()
+    assert not (out / LOCK_NAME).exists()                       # released and gone
+    # what a killed run leaves: the file naming it, but no lock (the system released it with the process)
+    (out / LOCK_NAME).write_text('{"pid": 999999999, "host": "h", "started": 0}')
+    said = []
+    with hold_run_folder(out, said.append) as lock:
+        assert lock.taken_over["pid"] == 999999999
+    assert said and "took over the lock a run that ended without releasing it left" in said[0]
+
+
+def model_file(path: Path, value: float) -> Path:
+    save_file({"a.weight": torch.full((64, 64), value), "b.weight": torch.full((8,), 1.0)}, str(path))
+    return path
+
+
+def test_the_fingerprint_tells_other_weights_under_the_same_header(tmp_path):
+    one, same, other = (model_file(tmp_path / f"{n}.safetensors", v) for n, v in (("1", 0.5), ("2", 0.5), ("3", 0.25)))
+    assert weights_fingerprint(one) == weights_fingerprint(same) != weights_fingerprint(other)
+    ident = lambda f: {"config": {}, "dataset_hash": "d", "lora_shapes": {},               # noqa: E731
+                       "model": {"id": "m", "header_digest": "h", "weights_fingerprint": weights_fingerprint(f)}}
+    check_same_run(ident(one), ident(same), tmp_path / "c" / "step_000001")
+    with pytest.raises(ValueError, match="base weights"):
+        check_same_run(ident(one), ident(other), tmp_path / "c" / "step_000001")
