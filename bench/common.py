@@ -134,7 +134,7 @@ def lora_training_setup(model, spec, w, compile: str = "off"):
     from ugpum.checkpointing import checkpoint_blocks
     from ugpum.compile import compile_blocks
     from ugpum.inplace_guard import guard_inplace_residuals
-    from ugpum.train.lora import attach_lora, lora_targets
+    from ugpum.lora import attach_lora, lora_targets
     block_paths = [b.path for b in spec.blocks]
     guards = guard_inplace_residuals(model, include_rms=False)
     undo_compile = compile_blocks(model, block_paths, compile)

@@ -30,7 +30,7 @@ def one_mode(path: str, compile: str, base_compute: str, steps: int) -> dict:
     from comfy_bridge import build_meta, comfy_training_mode, find_comfyui_or_raise, import_comfy
     from ugpum.arch import recognise
     from ugpum.train.config import TrainConfig
-    from ugpum.train.loop import plan_for, prepare_model
+    from ugpum.train.prepare import plan_for, prepare_model
 
     cuda = torch.cuda.is_available()          # (cpu: a smoke run of the bench itself on a tiny model)
     dev = "cuda:0" if cuda else "cpu"

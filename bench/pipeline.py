@@ -34,7 +34,7 @@ from ugpum.compile import compile_blocks  # noqa: E402
 from ugpum.inplace_guard import guard_inplace_residuals  # noqa: E402
 from ugpum.pipeline import SCHEDULES, accumulate  # noqa: E402
 from ugpum.place import Layout, place  # noqa: E402
-from ugpum.train.lora import attach_lora, lora_targets  # noqa: E402
+from ugpum.lora import attach_lora, lora_targets  # noqa: E402
 
 GIB = 1024 ** 3
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")

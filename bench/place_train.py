@@ -41,8 +41,8 @@ from ugpum.place import Layout, place  # noqa: E402
 from ugpum.plan import make_plan  # noqa: E402
 from ugpum.commands.plan import resolution as _resolution  # noqa: E402
 from ugpum.formats.safetensors_writer import write_streaming  # noqa: E402
-from ugpum.train.lora import attach_lora, lora_targets  # noqa: E402
-from ugpum.train.render_prompt import guidance_for  # noqa: E402
+from ugpum.lora import attach_lora, lora_targets  # noqa: E402
+from ugpum.diffusion.render_prompt import guidance_for  # noqa: E402
 
 GIB = 1024 ** 3
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "fp32": torch.float32}

@@ -36,7 +36,7 @@ from ugpum.devices import detect_devices  # noqa: E402
 from ugpum.inplace_guard import guard_inplace_residuals  # noqa: E402
 from ugpum.place import Layout, place  # noqa: E402
 from ugpum.plan import make_plan  # noqa: E402
-from ugpum.train.lora import attach_lora, lora_targets  # noqa: E402
+from ugpum.lora import attach_lora, lora_targets  # noqa: E402
 
 GIB = 1024 ** 3
 DEV = "cuda"

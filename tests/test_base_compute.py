@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from support import comfy_models as cm  # noqa: E402
 from ugpum.base_compute import (BaseComputeError, linear_8bit, quantise_rows,  # noqa: E402
                                 quantise_weight, supports, use_8bit_base)
-from ugpum.train.lora import attach_lora  # noqa: E402
+from ugpum.lora import attach_lora  # noqa: E402
 
 
 @pytest.mark.parametrize("mode, bound", [("fp8", 0.0625), ("int8", 1 / 127)])

@@ -19,7 +19,7 @@ from support import comfy_models as cm  # noqa: E402
 from ugpum.checkpointing import checkpoint_blocks  # noqa: E402
 from ugpum.compile import compile_blocks, compile_stats  # noqa: E402
 from ugpum.inplace_guard import guard_inplace_residuals  # noqa: E402
-from ugpum.train.lora import attach_lora  # noqa: E402
+from ugpum.lora import attach_lora  # noqa: E402
 
 
 @pytest.fixture

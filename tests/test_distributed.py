@@ -60,13 +60,13 @@ def test_a_chain_of_stages_is_the_models_own_forward(comfy, profile, latent, spl
     from comfy_bridge import build_random
     from ugpum.arch import get_spec
     from ugpum.checkpointing import checkpoint_blocks
-    from ugpum.distributed.run import micro_batch_inputs
+    from ugpum.train.objective import micro_batch_inputs
     from ugpum.distributed.stages import stage_module, stage_ranges
     from ugpum.inplace_guard import guard_inplace_residuals
     from ugpum.train.config import load_config
-    from ugpum.train.flow import flow_loss, noisy
-    from ugpum.train.lora import attach_lora, lora_targets
-    from ugpum.train.loop import micro_loss
+    from ugpum.diffusion.flow import flow_loss, noisy
+    from ugpum.lora import attach_lora, lora_targets
+    from ugpum.train.objective import micro_loss
     cfg = load_config(profile, overrides=dict(devices=["cpu"]))
     spec = get_spec(cfg.model)
     g = torch.Generator().manual_seed(0)
@@ -100,10 +100,10 @@ def test_a_chain_of_stages_is_the_models_own_forward(comfy, profile, latent, spl
 def test_a_rank_holds_only_its_share_and_its_lora_starts_as_attach_lora_starts_it(comfy):
     from comfy_bridge import build_random
     from ugpum.arch import get_spec
-    from ugpum.distributed.run import lora_params, stage_lora
+    from ugpum.distributed.stage_lora import lora_params, stage_lora
     from ugpum.distributed.stages import StageRange, keep_only
     from ugpum.train.config import load_config
-    from ugpum.train.lora import attach_lora, lora_targets
+    from ugpum.lora import attach_lora, lora_targets
     cfg = load_config("tiny-flux2", overrides=dict(devices=["cpu"]))
     spec = get_spec(cfg.model)
     whole = build_random(spec, torch.float32, seed=0)
@@ -358,8 +358,8 @@ def test_plan_forecasts_a_distributed_run_and_says_when_one_process_is_better(ca
 
 def test_a_rank_takes_nccl_and_its_own_gpu_where_cuda_is_here_and_gloo_on_the_cpu():
     """The choice `init_distributed` makes, from what torchrun and torch say (no GPU needed)."""
-    from ugpum.distributed.run import process_group_choice
-    from ugpum.train.loop import TrainingError
+    from ugpum.distributed.topology import process_group_choice
+    from ugpum.train.errors import TrainingError
     assert process_group_choice(True, 0) == ("nccl", "cuda:0")
     assert process_group_choice(True, 3, ["auto"], 4) == ("nccl", "cuda:3")              # cuda:LOCAL_RANK
     assert process_group_choice(True, 1, ["cuda:2", "cuda:3"], 2) == ("nccl", "cuda:3")  # the GPUs named
@@ -375,7 +375,8 @@ def test_two_stages_per_rank_are_placed_planned_and_refused_in_one_process():
     from ugpum.distributed.forecast import forecast_distributed
     from ugpum.distributed.schedules import rank_stages
     from ugpum.train.config import load_config
-    from ugpum.train.loop import TrainingError, plan_for
+    from ugpum.train.errors import TrainingError
+    from ugpum.train.prepare import plan_for
     assert [rank_stages("interleaved-1f1b", r, 4) for r in range(4)] == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert [rank_stages("zero-bubble", r, 4) for r in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
     assert [rank_stages("1f1b", r, 2) for r in range(2)] == [[0], [1]]

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from ugpum.train.flow import (
+from ugpum.diffusion.flow import (
     flow_loss,
     flux2_image_seq_len,
     flux2_mu,

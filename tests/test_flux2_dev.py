@@ -116,7 +116,7 @@ def test_header_tells_dev_like_from_klein_like_by_guidance_in(tmp_path, norm_nam
 
 
 def test_training_forward_feeds_guidance_and_klein_ignores_it():
-    from ugpum.train.loop import loss_at, model_context
+    from ugpum.train.objective import loss_at, model_context
     torch.manual_seed(0)
     x0, noise, t = torch.randn(1, 128, 4, 4), torch.randn(1, 128, 4, 4), torch.tensor([0.5])
     ctx = torch.randn(16, get_spec(DEV).context_dim)
@@ -143,7 +143,7 @@ def test_guidance_setting_is_checked_and_noted_when_ignored(tmp_path):
 
 def test_preview_renders_with_the_configured_guidance(comfy):
     from ugpum.train.encoders import StandInEncoders
-    from ugpum.train.render_prompt import render
+    from ugpum.diffusion.render_prompt import render
     spec = get_spec(DEV)
     model, enc = build_random(spec, torch.float32), StandInEncoders(spec)
     ctx = enc.encode_text(["loranne, waving"])[0]
@@ -158,7 +158,8 @@ def test_preview_renders_with_the_configured_guidance(comfy):
 
 def test_fp8_file_trains_an_fp32_lora_with_finite_gradients(tmp_path):
     from ugpum.commands.train import build_model, run_training as train
-    from ugpum.train.loop import micro_loss, prepare_model
+    from ugpum.train.objective import micro_loss
+    from ugpum.train.prepare import prepare_model
     path = save(tmp_path / "dev_fp8.safetensors", as_fp8_file(dev_tensors()))
     assert recognise(path)[2] == "fp8"
     c = cfg(model_file=str(path), weight_dtype="fp8", steps=3, dataset=str(one_image(tmp_path / "data")))

@@ -23,7 +23,7 @@ from ugpum.inplace_guard import guard_inplace_residuals
 from ugpum.pipeline import SCHEDULES, accumulate, best_schedule, in_flight, op_order, stage_order
 from ugpum.place import Layout, place
 from ugpum.route import SharedInputCache
-from ugpum.train.lora import attach_lora
+from ugpum.lora import attach_lora
 
 M = 4           # micro-batches per step
 STEPS = 3

@@ -117,7 +117,7 @@ def test_comfyui_models_split_gradients_equal_unsplit(model_id, devices):
     from ugpum.arch import get_spec
     from ugpum.checkpointing import checkpoint_blocks
     from ugpum.inplace_guard import guard_inplace_residuals
-    from ugpum.train.lora import attach_lora, lora_targets
+    from ugpum.lora import attach_lora, lora_targets
     spec = get_spec(model_id)
     paths = [b.path for b in spec.blocks]
     dtype = torch.float32 if devices == ("cpu", "cpu") else torch.float64

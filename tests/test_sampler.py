@@ -1,4 +1,4 @@
-"""ugpum.train.flow_sampler against ComfyUI's own sampling (FLUX.2, Wan 2.1), and on its own.
+"""ugpum.diffusion.flow_sampler against ComfyUI's own sampling (FLUX.2, Wan 2.1), and on its own.
 
 What is compared with a ComfyUI present (packaged copy by default, or COMFYUI_PATH):
 
@@ -31,8 +31,8 @@ import pytest
 import torch
 
 from support import comfy_models as cm
-from ugpum.train import flow_sampler as S
-from ugpum.train.flow import flux2_mu
+from ugpum.diffusion import flow_sampler as S
+from ugpum.diffusion.flow import flux2_mu
 
 F64 = torch.float64
 

@@ -20,7 +20,7 @@ from ugpum.inplace_guard import guard_inplace_residuals
 from ugpum.place import Layout
 from ugpum.place import place_with_swap, swap_plan
 from ugpum.swap import install_swap
-from ugpum.train.lora import attach_lora
+from ugpum.lora import attach_lora
 
 DEVICES = ["cpu"] + (["cuda:0"] if torch.cuda.is_available() else [])
 REL = 1e-6
@@ -269,7 +269,7 @@ def _plan_with_some_swap(spec):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode", ["plan+checkpointing", "all+checkpointing", "all+no-checkpointing"])
 def test_flux2_swap_gives_the_same_gradients(comfy, mode, device):
-    from ugpum.train.lora import lora_targets
+    from ugpum.lora import lora_targets
     spec = _tiny_spec()
     block_paths = [b.path for b in spec.blocks]
     targets = lora_targets(block_paths, [b.linears for b in spec.blocks])
@@ -301,7 +301,7 @@ def test_flux2_swap_gives_the_same_gradients(comfy, mode, device):
 
 def test_flux2_swap_keeps_the_inplace_error_without_guard(comfy):
     """Swap must not hide autograd's in-place check (it goes through saved-tensor hooks)."""
-    from ugpum.train.lora import lora_targets
+    from ugpum.lora import lora_targets
     spec = _tiny_spec()
     block_paths = [b.path for b in spec.blocks]
     model = _tiny_flux2(spec)

@@ -12,7 +12,8 @@ from comfy_bridge import find_comfyui
 from ugpum.train.checkpoint import latest_checkpoint
 from ugpum.train.config import ConfigError, load_config
 from ugpum.train.dataset import DatasetError
-from ugpum.train.loop import MicroBatches, validation_picks
+from ugpum.train.batches import MicroBatches
+from ugpum.train.objective import validation_picks
 from ugpum.commands.train import run_training as train
 
 pytestmark = pytest.mark.skipif(find_comfyui() is None, reason="needs ComfyUI's model classes")
@@ -130,8 +131,8 @@ def test_a_batch_of_two_is_the_mean_of_its_samples(comfy):
     """micro_loss stacks latents and text contexts; each sample's loss is what it would be alone."""
     from comfy_bridge import build_random
     from ugpum.arch import get_spec
-    from ugpum.train.flow import flux2_image_seq_len, sample_timesteps
-    from ugpum.train.loop import loss_at, micro_loss, model_context
+    from ugpum.diffusion.flow import flux2_image_seq_len, sample_timesteps
+    from ugpum.train.objective import loss_at, micro_loss, model_context
     spec, config = get_spec("tiny-flux2"), cfg(resolution=64)
     model = build_random(spec, torch.float32, seed=2)
     g = torch.Generator().manual_seed(0)
@@ -220,7 +221,7 @@ def test_lora_loads_through_comfyui_and_patched_forward_matches(full_run):
     import comfy.lora
     from comfy_bridge import build_random
     from ugpum.arch import get_spec
-    from ugpum.train.lora import attach_lora, lora_targets
+    from ugpum.lora import attach_lora, lora_targets
     result, _ = full_run
     spec = get_spec("tiny-flux2")
     c = cfg(steps=50)

@@ -16,7 +16,7 @@ from .place import place, place_by_plan
 from .plan import Plan, PlanError, make_plan, plan_training
 from .train.config import ConfigError, TrainConfig, load_config
 from .train.loop import TrainResult, train
-from .train.lora import attach_lora
+from .lora import attach_lora
 
 __all__ = ["ConfigError", "Device", "DeviceError", "Plan", "PlanError", "TrainConfig", "TrainResult", "UnknownModel",
            "Workload", "attach_lora", "format_plan", "get_spec", "load_config", "make_plan", "parse_device_specs",

@@ -10,12 +10,21 @@ default since torch 2.5), treats a block's parameters as graph inputs rather tha
 
 What is inside the graph, what stays outside
 ---------------------------------------------
-* LoRA: ``ugpum.train.lora`` adds adapters as forward hooks on the Linears inside the blocks. Dynamo
+* LoRA: ``ugpum.lora`` adds adapters as forward hooks on the Linears inside the blocks. Dynamo
   traces through ``Module.__call__`` of submodules with their hooks (inbuilt-module inlining), so each
   adapter's ``x @ A^T`` and ``addmm`` are in the block's graph and inductor fuses around them. Checked
   by ``compile_stats`` (``graph_breaks`` 0 on ComfyUI's FLUX.2 and Wan blocks in the tests).
-* The in-place guard's norm pre-hooks (``ugpum.inplace_guard``) are traced the same way; AOT autograd
-  functionalises the block's ``+=``, so the compiled block is correct with or without them.
+* The in-place guard's norm pre-hooks (``ugpum.inplace_guard``) are traced the same way. They are still
+  needed: AOT autograd traces the joint graph with autograd's version checks, so compiling a FLUX.2 block
+  without them fails.
+* The compiled function works on private copies of the block's tensor arguments, taken inside the graph
+  (``_forward_on_copies``). A FLUX.2 block adds into its inputs (``img += ...``); compiled as is, AOT
+  autograd applies that as a ``copy_`` into the caller's tensor after the graph ran, while its min-cut
+  partitioner saved that same input for backward (it recomputes the norm from it rather than keeping the
+  guard's copy). The ``copy_`` then bumps the saved tensor's version and backward fails ("modified by an
+  inplace operation ... CopyBackwards"): without checkpointing on every FLUX.2 block, and with it only
+  because ``checkpoint_block`` copies the inputs first. With the copies in the graph nothing is mutated,
+  and inductor fuses each copy into the kernels that read it.
 * Per-block checkpointing (``ugpum.checkpointing``) wraps ``block.forward`` *outside* the compiled
   function: compile first, checkpoint after (``compile_blocks`` refuses a block whose forward is
   already wrapped). Recomputation in backward re-runs the compiled forward.
@@ -184,8 +193,8 @@ def compile_blocks(model: nn.Module, block_paths: list[str], setting: str = "aut
         with _lock:
             compiled = _compiled_forwards.get((cls, key_opts))
             if compiled is None:
-                compiled = torch.compile(cls.forward, backend=_counting_backend(cls.__name__), dynamic=dynamic,
-                                         **({"mode": mode} if mode else {}))
+                compiled = torch.compile(_forward_on_copies(cls), backend=_counting_backend(cls.__name__),
+                                         dynamic=dynamic, **({"mode": mode} if mode else {}))
                 _compiled_forwards[(cls, key_opts)] = compiled
         bound = types.MethodType(compiled, block)
         block.forward = functools.wraps(cls.forward)(functools.partial(_call_bound, bound))
@@ -204,3 +213,20 @@ def compile_blocks(model: nn.Module, block_paths: list[str], setting: str = "aut
 
 def _call_bound(bound, *args, **kwargs):
     return bound(*args, **kwargs)
+
+
+def _own_copy(value):
+    return value.clone() if torch.is_tensor(value) and value.is_floating_point() else value
+
+
+def _forward_on_copies(cls: type):
+    """`cls.forward` run on copies of its tensor arguments, copied inside the compiled graph, so that the graph
+    mutates none of its inputs (see the module docstring). One code object per class: Dynamo keys its cache
+    and its recompile limit on the code object, so classes must not share one."""
+    forward = cls.forward
+
+    def forward_on_copies(self, *args, **kwargs):
+        return forward(self, *[_own_copy(a) for a in args], **{k: _own_copy(v) for k, v in kwargs.items()})
+
+    code = forward_on_copies.__code__.replace(co_name=f"{cls.__name__}_forward_on_copies")
+    return types.FunctionType(code, forward_on_copies.__globals__, code.co_name, None, forward_on_copies.__closure__)

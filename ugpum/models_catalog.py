@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .profiles import PROFILES as TRAIN_PROFILES
+
 HF = "https://huggingface.co"
 
 # ComfyUI's models/ subfolders for the three roles (folder_paths.py: "diffusion_models",
@@ -289,15 +291,14 @@ MODELS: dict[str, ModelEntry] = {e.id: e for e in (
 )}
 
 def _profiles() -> dict[str, Profile]:
-    """The training profiles (ugpum.train.config.PROFILES, the one place they are defined) whose
+    """The training profiles (ugpum.profiles, the one place they are defined) whose
     model has files in this catalog; the tiny random-weight profiles need no files."""
-    from .train.config import PROFILES as TRAIN_PROFILES, TrainConfig
     out = {}
     for name, values in TRAIN_PROFILES.items():
         if values.get("model") in MODELS:
-            res = values.get("resolution", TrainConfig.resolution)
-            out[name] = Profile(name, values["model"], values.get("weight_dtype", TrainConfig.weight_dtype),
-                                res, res, values.get("frames", TrainConfig.frames),
+            res = values["resolution"]
+            out[name] = Profile(name, values["model"], values["weight_dtype"], res, res,
+                                values.get("frames", 1),          # (images: one frame)
                                 note=f"training profile (python -m ugpum train --profile {name})")
     return out
 

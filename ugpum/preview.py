@@ -8,8 +8,8 @@ import torch
 from .arch.base import ArchSpec
 from .formats.lora_file import lora_modules
 from .place import place_by_plan
-from .train.lora import LoraSet
-from .train.render_prompt import render
+from .lora import LoraSet
+from .diffusion.render_prompt import render
 
 
 def attach_lora_tensors(model, tensors: dict[str, torch.Tensor]) -> LoraSet:

@@ -8,8 +8,7 @@ import json
 from ..arch import get_spec, recognise
 from ..devices import CPU_TRAINABLE_PARAMS, resolve_devices
 from ..forecast import format_plan, plan_for_config
-from ..distributed.schedules import DISTRIBUTED_ONLY
-from ..pipeline import SCHEDULES
+from ..schedules import ALL_SETTINGS, DISTRIBUTED_ONLY
 from ..train.config import TrainConfig, load_config
 from .errors import UsageError
 
@@ -43,7 +42,7 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--frames", type=int, help="video frames per clip (Wan: 4k+1, e.g. 17 or 33)")
     p.add_argument("--batch", type=int, help="samples per micro-batch (default 1)")
     p.add_argument("--grad-accum", type=int, help="micro-batches per optimizer step (default 1)")
-    p.add_argument("--schedule", choices=["auto", *SCHEDULES, *DISTRIBUTED_ONLY],
+    p.add_argument("--schedule", choices=ALL_SETTINGS,
                    help="order of the micro-batches over the stages (auto: the fastest for the split); with "
                         "--distributed also interleaved-1f1b or zero-bubble (two pipeline stages per rank)")
     p.add_argument("--rank", type=int, help="LoRA rank (default 16)")

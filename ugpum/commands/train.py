@@ -13,9 +13,10 @@ from pathlib import Path
 
 from ..arch import get_spec, recognise
 from ..devices import CPU_TRAINABLE_PARAMS
-from ..distributed.schedules import DISTRIBUTED_ONLY
+from ..schedules import ALL_SETTINGS
 from ..dtypes import TORCH_DTYPES
 from ..train.config import PROFILES, TrainConfig, load_config
+from ..folders import check_writable, too_long_name
 from .bridge import comfy_bridge
 from .errors import UsageError
 
@@ -45,7 +46,7 @@ def add_train_parser(sub) -> None:
     p.add_argument("--frames", type=int, help="Wan clips: frames from each clip's start (4k+1, e.g. 17 or 33)")
     p.add_argument("--batch", type=int, help="samples per micro-batch (items of one bucket and text length)")
     p.add_argument("--grad-accum", type=int)
-    p.add_argument("--schedule", choices=["auto", "sequential", "gpipe", "1f1b", *DISTRIBUTED_ONLY],
+    p.add_argument("--schedule", choices=ALL_SETTINGS,
                    help="order of the micro-batches over the stages (default auto: the best for the plan); with "
                         "--distributed also interleaved-1f1b or zero-bubble (two pipeline stages per rank)")
     p.add_argument("--resume", metavar="DIR", help="continue the run whose output folder is DIR (the same run only)")
@@ -56,7 +57,7 @@ def add_train_parser(sub) -> None:
     p.add_argument("--sample-every", type=int, help="render a sample every N steps (0: never)")
     p.add_argument("--compile", choices=["auto", "on", "off"],
                    help="compiled blocks (default auto: on CUDA GPUs with Triton; says once why not elsewhere)")
-    p.add_argument("--base-compute", choices=["bf16", "fp8", "int8"],
+    p.add_argument("--base-compute", choices=["auto", "bf16", "fp8", "int8"],
                    help="the frozen base's matmuls (default bf16; fp8 on Ada/Hopper/Blackwell, int8 on Ampere)")
     # past one machine (README "Past one machine"): under torchrun, one pipeline stage per rank
     p.add_argument("--distributed", action="store_true",
@@ -176,6 +177,8 @@ def check_out_folder(out: str, flag: str) -> None:
     """Refuse, before any work, an output folder that cannot be made or written in: one sentence with
     the fix. The folder itself is made only by the run."""
     path = Path(out).expanduser().absolute()
+    if too_long_name(path):                             # a name no filesystem takes (it cannot even be looked up)
+        raise UsageError(f"{flag} {out[:60]}...: {too_long_name(path)}; give {flag} a shorter name")
     if path.exists() and not path.is_dir():
         raise UsageError(f"{flag} {out} is a file, not a folder; give {flag} a folder (it is made if missing)")
     existing = path
@@ -203,6 +206,8 @@ def run_train(args) -> int:
         raise UsageError("give --out DIR (or --resume DIR to continue a run)")
     check_out_folder(out, "--resume" if args.resume else "--out")
     cfg = config_from_args(args)
+    if cfg.cache_dir:                                   # before the encoders load: one sentence with the fix
+        check_writable(cfg.cache_dir, "cache_dir", "set cache_dir to a folder you can write in")
     if not cfg.dataset:
         raise UsageError("no dataset: give --dataset DIR (or set dataset in the config)")
     files = model_files(cfg, args.models, args.model, args.text_encoder, args.vae)

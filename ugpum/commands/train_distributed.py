@@ -1,5 +1,6 @@
 """`python -m ugpum train ... --distributed` under torchrun: the DiT and (on rank 0) the encoders as
-`train` builds them, then `ugpum.distributed.run.train_distributed` (README "Past one machine")."""
+`train` builds them, then the one training loop (`ugpum.train.loop.train`) with the distributed
+stepper (`ugpum.distributed.stepper`; README "Past one machine")."""
 from __future__ import annotations
 
 import sys
@@ -11,22 +12,24 @@ from ..train.config import TrainConfig
 def run_distributed_training(cfg: TrainConfig, out: str | Path, files, build_model, build_encoders,
                              data_parallel: int = 1, resume: bool = False, overwrite: bool = False, log=print):
     """One rank of a distributed run: the ComfyUI to use, this rank's DiT (streamed from its file
-    stage by stage), the encoders on rank 0 only, then the distributed engine. `build_model` and
+    stage by stage), the encoders on rank 0 only, then the engine. `build_model` and
     `build_encoders`: `ugpum.commands.train`'s (passed in: that module imports this one)."""
     import torch
     import torch.distributed as dist
-    from ..distributed.run import train_distributed
+    from ..distributed.stepper import PipelineStepper
+    from ..train.loop import train
     from .bridge import comfy_bridge
     cpu = all(d == "cpu" for d in cfg.devices) or not torch.cuda.is_available()
     bridge = comfy_bridge()
     bridge.import_comfy(bridge.find_comfyui_or_raise(), cpu=cpu)
     if files is not None:
         cfg.model_file = str(files.dit)
-    model, key_prefix = build_model(cfg, bridge)
     try:
+        stepper = PipelineStepper(cfg, lambda: build_encoders(cfg, files, bridge), data_parallel, cpu)
+        model, key_prefix = build_model(cfg, bridge)
         with bridge.comfy_training_mode():
-            return train_distributed(cfg, out, model, lambda: build_encoders(cfg, files, bridge), key_prefix,
-                                     resume=resume, overwrite=overwrite, data_parallel=data_parallel, log=log, cpu=cpu)
+            return train(cfg, out, model, None, key_prefix, resume=resume, overwrite=overwrite, stepper=stepper,
+                         log=log)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -34,7 +37,7 @@ def run_distributed_training(cfg: TrainConfig, out: str | Path, files, build_mod
 
 def run_train_distributed(args, cfg: TrainConfig, out: str, files, build_model, build_encoders) -> int:
     """The CLI's distributed branch: a stop by a signal is one sentence per rank and exit 128 + signal."""
-    from ..distributed.run import DistributedStop
+    from ..distributed.topology import DistributedStop
     from .errors import UsageError
     if not args.distributed:
         raise UsageError("--data-parallel needs --distributed (run under torchrun; README \"Past one machine\")")

@@ -20,7 +20,7 @@ Where the sigmas come from (float32, as ComfyUI hands them to its samplers):
   - ``schedule="flux2"`` (default): ComfyUI's FLUX.2 scheduler node ``Flux2Scheduler``
     (comfy_extras/nodes_flux.py; BFL's reference schedule): ``steps + 1`` evenly spaced t from 1
     to 0, each moved by FLUX.2's resolution- and step-dependent log-shift mu
-    (``ugpum.train.flow.flux2_mu``, the same empirical fit);
+    (``ugpum.diffusion.flow.flux2_mu``, the same empirical fit);
   - ``schedule="simple"``: the plain KSampler with scheduler ``simple`` on the model's own
     ``ModelSamplingFlux`` (``Flux2.sampling_settings['shift'] = 2.02``, a log-shift: the factor
     is e^2.02 ~ 7.5, independent of resolution).

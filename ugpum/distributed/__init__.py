@@ -1,9 +1,11 @@
 """Past one machine: the planner's stages on `torch.distributed.pipelining` ranks under torchrun,
 with data-parallel replicas (README "Past one machine").
 
-`stages.py`: one stage of a ComfyUI DiT as a module (embed + blocks on the first, blocks in the
-middle, blocks + final layer on the last). `schedules.py`: which torch schedule runs the
-micro-batches and which stages a rank holds (one, or two for interleaved 1F1B and zero bubble).
-`run.py`: the distributed training loop, built from the single-process engine's pieces
-(`ugpum.train.loop`), writing the same files. `forecast.py`: what a run would cost, before it runs.
+`stepper.py`: the distributed engine the one training loop (`ugpum.train.loop.train`) drives, writing
+the same files as one process. `topology.py`: ranks and process groups. `stages.py`: one stage of a
+ComfyUI DiT as a module (embed + blocks on the first, blocks in the middle, blocks + final layer on
+the last). `stage_lora.py`: a stage's LoRA and the whole LoRA on the saving rank. `schedule_run.py`:
+a step's micro-batches through torch's schedules, gradients summed in order. `schedules.py`: which
+torch schedule class runs them. `validation.py`: the pipeline's validation loss. `forecast.py`: what
+a run would cost, before it runs.
 """

@@ -2,7 +2,7 @@
 --nodes K`): per-rank memory, step time with the network's bandwidth, the data-parallel all-reduce
 of the LoRA gradients, and whether the single process on one machine is the better choice.
 
-The layout is the one `ugpum.distributed.run` uses: `nodes` machines with the same GPUs, ranks =
+The layout is the one `ugpum.distributed.stepper` uses: `nodes` machines with the same GPUs, ranks =
 nodes x GPUs, R replicas of a pipeline of ranks / R stages; a replica's stages are neighbouring
 ranks (one machine while the pipeline is no longer than a machine's GPUs), so the hidden state
 crosses the network only when a pipeline spans machines, while the replicas of a stage (one

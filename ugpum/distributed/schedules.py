@@ -13,34 +13,11 @@ per rank, for a smaller bubble (each rank has work while the pipeline fills and 
   gradient for the stage's input (sent on at once) and the LoRA's own gradient (run later, in the
   bubble).
 
-Names only here (no torch import): `TrainConfig` may list them. `schedule_class` imports torch.
+The names and the arithmetic live in `ugpum.schedules`; this module picks torch's classes.
 """
 from __future__ import annotations
 
-MULTI_STAGE = {"interleaved-1f1b": "loop", "zero-bubble": "v"}   # schedule -> placement of a rank's stages
-DISTRIBUTED_ONLY = tuple(MULTI_STAGE)                            # schedules only a distributed run has
-STAGES_PER_RANK = 2
-
-
-def stages_per_rank(schedule: str) -> int:
-    """Pipeline stages on each rank for `schedule`."""
-    return STAGES_PER_RANK if schedule in MULTI_STAGE else 1
-
-
-def rank_stages(schedule: str, pipe_rank: int, ranks: int) -> list[int]:
-    """The stages (of ranks x stages_per_rank, in the model's order) that rank `pipe_rank` of a
-    pipeline of `ranks` holds, ascending."""
-    v = stages_per_rank(schedule)
-    if MULTI_STAGE.get(schedule) == "v":
-        return sorted({pipe_rank, 2 * ranks - 1 - pipe_rank})
-    return [pipe_rank + i * ranks for i in range(v)]
-
-
-def schedule_kind(schedule: str) -> str:
-    """The setting as the distributed engine reads it: gpipe, 1f1b, interleaved-1f1b or zero-bubble."""
-    if schedule in MULTI_STAGE:
-        return schedule
-    return "gpipe" if schedule in ("gpipe", "sequential") else "1f1b"
+from ..schedules import MULTI_STAGE, rank_stages, schedule_kind, stages_per_rank  # noqa: F401 (re-exported)
 
 
 def schedule_class(schedule: str, n_microbatches: int, ranks: int):

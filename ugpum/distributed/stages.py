@@ -5,7 +5,7 @@ ComfyUI's `Flux.forward` and `WanModel.forward` are one loop over all blocks wit
 (patchify, RoPE tables, the timestep's modulation computed once and shared by every block), so a
 stage cannot be "blocks[a:b]" alone. A stage here is `blocks[a:b]` of the model's own modules with
 that glue: the first stage embeds the input, the last one runs the final layer and gives the
-model's output (the loss is taken from it by the caller, as `ugpum.train.flow.flow_loss`).
+model's output (the loss is taken from it by the caller, as `ugpum.diffusion.flow.flow_loss`).
 
 What travels between stages is only what carries a gradient, the hidden state: FLUX.2's image and
 text streams while inside the double blocks, the joined single stream after them; Wan's `x`. What

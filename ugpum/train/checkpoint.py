@@ -106,8 +106,9 @@ def full_disk_kept(full: BaseException, out: Path, at: int, lora_path: Path | No
     checkpoint = latest_checkpoint(out)
     kept = [f"the LoRA of step {at} ({lora_path.name})"] if lora_path else []
     kept += [f"the checkpoint {checkpoint.name}, which --resume {out} continues from"] if checkpoint else []
-    said = ("kept: " + " and ".join(kept)) if kept else "no checkpoint of this run is on disk, so nothing can resume it"
-    err = DiskFull(f"{full}; {said}")
+    said = ("kept: " + " and ".join(kept) + "; ") if kept else ""
+    said += "" if checkpoint else "no checkpoint of this run is on disk, so a resume cannot continue it"
+    err = DiskFull(f"{full}; {said.removesuffix('; ')}")
     err.save_step = at                   # the run does not try this very save again on its way out
     return err
 

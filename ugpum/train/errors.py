@@ -1,0 +1,11 @@
+"""The training engine's own errors: each message is one sentence that names the setting or the
+folder and the fix (front ends show it as it is)."""
+from __future__ import annotations
+
+
+class TrainingError(RuntimeError):
+    pass
+
+
+class RunExists(TrainingError):
+    """The output folder holds an earlier run; the message says how to continue or replace it."""

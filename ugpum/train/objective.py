@@ -1,0 +1,114 @@
+"""What a step minimises: the flow-matching loss of ComfyUI's model on one micro-batch, and the
+validation loss (fixed noise at fixed timesteps) that shows progress. Both engines draw the same
+inputs from here: the single process feeds the whole model, a pipeline feeds its stages."""
+from __future__ import annotations
+
+import torch
+
+from ..diffusion.flow import flow_loss, noisy, sample_timesteps, timestep_method
+from ..diffusion.flow_sampler import pad_flux2_context
+
+TRAINING_GUIDANCE = 1.0     # guidance-distilled models train at 1.0, as musubi-tuner trains them
+VALIDATION_T = (0.25, 0.5, 0.75)
+
+
+def model_context(spec, context: torch.Tensor) -> torch.Tensor:
+    """[1, L, C] text context as ComfyUI feeds it: FLUX.2 pads it to 512 tokens (zeros in front)."""
+    return pad_flux2_context(context[None]) if spec.family == "flux2" else context[None]
+
+
+def training_guidance(spec, setting: float | None) -> float | None:
+    """The guidance-embedding input in training (models that have one): the setting, else 1.0."""
+    if not spec.guidance:
+        return None
+    return TRAINING_GUIDANCE if setting is None else float(setting)
+
+
+def image_tokens(spec, latent_shape) -> int:
+    """Image tokens of one latent: FLUX.2 [C, h, w] at one token per latent pixel (2x2 patchified
+    already); Wan [C, T, h, w] in 2x2 patches per latent frame."""
+    if spec.family == "wan":
+        return latent_shape[-3] * (latent_shape[-2] // 2) * (latent_shape[-1] // 2)
+    return latent_shape[-2] * latent_shape[-1]
+
+
+def model_inputs(cfg, spec, x0, noise, t, context, device) -> dict:
+    """The keyword inputs of ComfyUI's DiT (and of every pipeline stage) for samples x0 [B, ...]
+    noised to timesteps t [B]: the noised latent, the scaled timestep, the text and, for models that
+    have it, guidance."""
+    device = torch.device(device)
+    kw = {"x": noisy(x0, noise, t).to(device), "timestep": (t * spec.timestep_scale).to(device),
+          "context": context.to(device)}
+    guidance = training_guidance(spec, cfg.guidance)      # FLUX.2 dev: without it ComfyUI skips the embedder
+    if guidance is not None:
+        kw["guidance"] = torch.full((x0.shape[0],), guidance, device=device)
+    return kw
+
+
+def loss_at(model, spec, cfg, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor,
+            context: torch.Tensor, first: str, weighting: str) -> torch.Tensor:
+    """The model's flow-matching loss for samples x0 [B, ...] noised to timesteps t [B]; `context`:
+    the model's text input [B, L, C] (`model_context`); `first`: the device of the model's inputs."""
+    device = torch.device(first)
+    kw = model_inputs(cfg, spec, x0, noise, t, context, device)
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.autocast and device.type == "cuda"):
+        pred = model(kw.pop("x"), kw.pop("timestep"), kw.pop("context"), transformer_options={}, **kw)
+    out = pred.device
+    return flow_loss(pred.float(), x0.to(out), noise.to(out), t.to(out), weighting)
+
+
+def micro_batch_inputs(cfg, spec, latents: list[torch.Tensor], contexts: list[torch.Tensor], k: int):
+    """(x0, noise, t, context) of the k-th micro-batch (latents of one shape, contexts of one length):
+    noise and timesteps from a generator seeded by (seed, k), the same draws on any device or rank."""
+    g = torch.Generator().manual_seed((cfg.seed * 7_919 + k) % 2**63)
+    x0 = torch.stack([latent.float() for latent in latents])
+    noise = torch.randn(x0.shape, generator=g)
+    t = sample_timesteps(len(latents), timestep_method(cfg.timesteps, spec.family), g, shift=cfg.shift,
+                         image_seq_len=image_tokens(spec, latents[0].shape))   # per bucket: its own tokens
+    context = torch.cat([model_context(spec, c) for c in contexts])
+    return x0, noise, t, context
+
+
+def micro_loss(model, spec, cfg, latents: list[torch.Tensor], contexts: list[torch.Tensor], k: int,
+               first: str) -> torch.Tensor:
+    """Forward of the k-th micro-batch: its flow-matching loss, the mean over its samples (the caller
+    runs backward)."""
+    x0, noise, t, context = micro_batch_inputs(cfg, spec, latents, contexts, k)
+    return loss_at(model, spec, cfg, x0, noise, t, context, first, cfg.weighting)
+
+
+def validation_picks(items, limit: int = 16) -> list[int]:
+    """Up to `limit` distinct samples, spread evenly over the dataset: a repeated item counts once, a
+    clip taken at two lengths (musubi target_frames) twice."""
+    seen, distinct = set(), []
+    for n, item in enumerate(items):
+        key = (item.path, getattr(item, "frames", 1))
+        if key not in seen:
+            seen.add(key)
+            distinct.append(n)
+    if len(distinct) <= limit:
+        return distinct
+    return [distinct[round(j * (len(distinct) - 1) / (limit - 1))] for j in range(limit)]
+
+
+def validation_inputs(spec, latents, contexts, picks: list[int]):
+    """(x0, noise, t, context) of each validation forward, in order: every picked item (batch 1) on
+    its own fixed noise, at each of VALIDATION_T."""
+    for seed, i in enumerate(picks):
+        g = torch.Generator().manual_seed(10_007 + seed)
+        x0 = latents[i][None].float()
+        noise = torch.randn(x0.shape, generator=g)
+        context = model_context(spec, contexts[i])
+        for t in VALIDATION_T:
+            yield x0, noise, torch.tensor([t]), context
+
+
+@torch.no_grad()
+def validation_loss(model, spec, cfg, latents, contexts, first: str, picks: list[int]) -> float:
+    """Loss on fixed noise at fixed timesteps over the picked items: a smooth measure of progress,
+    unlike the training loss, whose random timesteps make it jump from step to step."""
+    total, n = 0.0, 0
+    for x0, noise, t, context in validation_inputs(spec, latents, contexts, picks):
+        total += loss_at(model, spec, cfg, x0, noise, t, context, first, "none").item()
+        n += 1
+    return total / n

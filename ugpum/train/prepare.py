@@ -1,0 +1,120 @@
+"""Everything a run needs before its first step, for both engines: the plan, the blocks made
+trainable (8-bit base, in-place guard, compiled, checkpointed), the optimizer and its learning rate.
+A setting an engine cannot honour is refused here, by name, before any weight is loaded."""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable
+
+import torch
+
+from ..arch import get_spec
+from ..base_compute import QuantiseAsLoaded, check_devices, use_8bit_base
+from ..checkpointing import checkpoint_blocks
+from ..compile import compile_blocks
+from ..devices import resolve_devices
+from ..dtypes import TORCH_DTYPES
+from ..inplace_guard import guard_inplace_residuals
+from ..place import place_by_plan
+from ..plan import Plan, plan_training
+from ..schedules import DISTRIBUTED_ONLY
+from .config import TrainConfig
+from .errors import TrainingError
+from ..lora import attach_lora, lora_targets
+
+
+def plan_for(cfg: TrainConfig) -> Plan:
+    """The plan a single-process run with these settings uses (what the Partition Planner node and
+    `plan` show)."""
+    if cfg.schedule in DISTRIBUTED_ONLY:
+        raise TrainingError(f"schedule {cfg.schedule} runs two pipeline stages on each rank of a distributed run "
+                            "(torchrun ... --distributed, README \"Past one machine\"); one process runs auto, "
+                            "sequential, gpipe or 1f1b")
+    spec = get_spec(cfg.model)
+    return plan_training(spec, resolve_devices(cfg.devices, spec, training=True), cfg.workload(),
+                         grad_accum=cfg.grad_accum, schedule=cfg.schedule)
+
+
+def base_linear_paths(spec, block_paths: list[str]) -> list[str]:
+    """The frozen base Linears of `block_paths` (what 8-bit base compute quantises)."""
+    linears = {b.path: b.linears for b in spec.blocks}
+    return lora_targets(block_paths, [linears[p] for p in block_paths])
+
+
+def quantiser(cfg: TrainConfig, spec, block_paths: list[str], devices, model) -> QuantiseAsLoaded | None:
+    """For a model streamed from its file in 8-bit: the hook that quantises each Linear as its weight
+    arrives (the bf16 base never lands whole); None otherwise. Refuses devices without the tensor
+    cores, before anything loads."""
+    on_meta = any(p.is_meta for p in model.parameters())
+    if not on_meta or cfg.base_compute == "bf16":
+        return None
+    check_devices(cfg.base_compute, devices)
+    model.requires_grad_(False)               # the base is frozen anyway (attach_lora); 8-bit needs it now
+    return QuantiseAsLoaded(base_linear_paths(spec, block_paths), cfg.base_compute)
+
+
+def make_trainable(cfg: TrainConfig, spec, model, block_paths: list[str], quantised: QuantiseAsLoaded | None,
+                   log=print) -> Callable[[], None]:
+    """After the LoRA is attached to `block_paths`: the base in `base_compute` (unless quantised as it
+    loaded), residuals safe to differentiate, the blocks compiled (`compile`), then checkpointed
+    (checkpointing wraps the compiled forward). Returns undo()."""
+    if quantised is not None:
+        log(quantised.summary())
+        undo_8bit = lambda: None                 # noqa: E731 - nothing to put back: the model is dropped after
+    else:
+        undo_8bit = use_8bit_base(model, base_linear_paths(spec, block_paths), cfg.base_compute, log, keep="cpu")
+    guards = guard_inplace_residuals(model, include_rms=False)
+    undo_compile = compile_blocks(model, block_paths, cfg.compile, log)
+    undo_ckpt = checkpoint_blocks(model, block_paths) if cfg.checkpointing else (lambda: None)
+
+    def undo():
+        undo_ckpt()
+        undo_compile()
+        for g in guards:
+            g.remove()
+        undo_8bit()
+    return undo
+
+
+def prepare_model(cfg: TrainConfig, spec, plan: Plan, model, key_prefix: str = "", log=print):
+    """Place the DiT by the plan (streaming it from its file when built on meta), attach the LoRA and
+    make it trainable. Returns (model, lora, layout, release)."""
+    if cfg.base_compute == "auto":                # what the plan chose (ugpum.plan.choose_base_compute)
+        cfg = dataclasses.replace(cfg, base_compute=plan.base_compute)
+    on_meta = any(p.is_meta for p in model.parameters())     # streamed from its file: dropped after
+    if cfg.base_compute != "bf16" and plan.offloaded_blocks and not on_meta:
+        raise TrainingError(f"base_compute = {cfg.base_compute} with block swap quantises each layer as it streams "
+                            "from the model file: build the model on the meta device (as train and the nodes do)")
+    block_paths = [b.path for b in spec.blocks]
+    quantise = quantiser(cfg, spec, block_paths, [s.torch_device for s in plan.stages], model)
+    placement = place_by_plan(model, plan, spec.tail_modules, cfg.model_file, key_prefix,
+                              TORCH_DTYPES[cfg.weight_dtype], on_weight=quantise)
+    lora = attach_lora(model, lora_targets(block_paths, [b.linears for b in spec.blocks], tuple(cfg.targets)),
+                       cfg.rank, cfg.alpha, seed=cfg.seed)
+    undo_trainable = make_trainable(cfg, spec, model, block_paths, quantise, log)
+
+    def release():
+        undo_trainable()
+        lora.remove()
+        placement.undo("meta" if on_meta else None)     # (a model streamed from its file is dropped)
+    return model, lora, placement.layout, release
+
+
+def make_optimizer(cfg: TrainConfig, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    if cfg.optimizer == "adamw8bit":
+        try:
+            import bitsandbytes as bnb
+        except ImportError:
+            raise TrainingError("optimizer 'adamw8bit' needs bitsandbytes (pip install bitsandbytes)") from None
+        return bnb.optim.AdamW8bit(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+def lr_factor(cfg: TrainConfig, step: int) -> float:
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.lr_schedule == "cosine":
+        progress = (step - cfg.warmup_steps) / max(cfg.steps - cfg.warmup_steps, 1)
+        return 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+    return 1.0

@@ -1,0 +1,83 @@
+"""The single-process engine behind `train()`: the model placed by the plan on this machine's
+devices (split over its GPUs, blocks swapped from host memory where they do not fit), each step's
+micro-batches pipelined over its stages (`ugpum.pipeline.accumulate`).
+
+A stepper is what `ugpum.train.loop.train` drives; the distributed engine
+(`ugpum.distributed.stepper`) answers the same calls for one rank of a torchrun job. The calls, in
+the order the loop makes them: share, make_plan, plan_record, encoders, prepare, load, backward,
+clip, agree, validation, save, finish."""
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+
+import torch
+
+from ..pipeline import accumulate
+from .checkpoint import load_checkpoint
+from .objective import micro_loss, validation_loss
+from .prepare import plan_for, prepare_model
+from .run_folder import save_run
+from .stopping import stop_on_sigterm
+
+
+class LocalStepper:
+    lead = True                    # this process reads the data and writes the run folder
+    can_sample = True
+    saves_on_error = True          # any exception: the completed steps are saved before it propagates
+
+    def __init__(self, plan=None):
+        self.plan = plan           # the one the Partition Planner showed; None: planned here
+
+    def share(self, begin):
+        return begin()
+
+    def make_plan(self, cfg, spec):
+        return self.plan or plan_for(cfg)
+
+    def plan_record(self, plan) -> dict:
+        return plan.to_json()
+
+    def encoders(self, given):
+        return given
+
+    def prepare(self, cfg, spec, plan, model, key_prefix: str, log) -> None:
+        self.cfg, self.spec, self.plan = cfg, spec, plan
+        self.model, self.lora, self.layout, self.release = prepare_model(cfg, spec, plan, model, key_prefix, log)
+        self.params = [p for _, a in self.lora.items() for p in (a.A, a.B)]
+        self.devices = sorted({s.torch_device for s in plan.stages if s.torch_device.startswith("cuda")})
+        if cfg.grad_accum > 1:
+            log(f"micro-batch schedule: {plan.schedule}")
+
+    def load(self, checkpoint, optimizer) -> None:
+        load_checkpoint(checkpoint, self.lora, optimizer)
+
+    def backward(self, ks: list[int], features, micro_batches) -> float:
+        """Forward and backward of the micro-batches `ks`, their LoRA gradients summed in order; the
+        step's loss (each micro-batch's mean loss / grad_accum, summed)."""
+        cfg = self.cfg
+
+        def one(k: int) -> torch.Tensor:
+            picked = micro_batches(k)
+            return micro_loss(self.model, self.spec, cfg, [features.latents[i] for i in picked],
+                              [features.contexts[i] for i in picked], k, self.layout.first) / cfg.grad_accum
+        return sum(float(x) for x in accumulate(one, ks, self.plan.schedule, self.layout, self.model))
+
+    def clip(self, max_norm: float) -> None:
+        torch.nn.utils.clip_grad_norm_(self.params, max_norm)
+
+    def agree(self, loss: float, due: bool) -> tuple[float, bool, int]:
+        """(loss, a save due, a stop signal) as every process of the run sees them: here, as they are."""
+        return loss, due, 0
+
+    def stop_guard(self) -> AbstractContextManager:
+        return stop_on_sigterm()
+
+    def validation(self, features, picks: list[int]) -> float:
+        return validation_loss(self.model, self.spec, self.cfg, features.latents, features.contexts,
+                               self.layout.first, picks)
+
+    def save(self, run, optimizer, at: int, name: str, stopping: bool, log):
+        return save_run(run, self.cfg, self.spec, self.lora, optimizer, at, name, stopping, log)
+
+    def finish(self) -> None:
+        self.release()
