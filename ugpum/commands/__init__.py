@@ -25,7 +25,8 @@ COMMANDS = {"plan": (add_plan_parser, run_plan), "train": (add_train_parser, run
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m ugpum", description="UGPUM: LoRA training split over GPUs")
+    prog = "ugpum" if sys.argv[0].endswith("/ugpum") else "python -m ugpum"      # the .venv launcher, or -m
+    parser = argparse.ArgumentParser(prog=prog, description="UGPUM: LoRA training split over GPUs")
     sub = parser.add_subparsers(dest="command", required=True)
     for add, _ in COMMANDS.values():
         add(sub)
