@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import re
 import shutil
 import signal
 import subprocess
@@ -268,7 +269,9 @@ def test_a_full_disk_ends_with_a_sentence_and_keeps_the_last_checkpoint(tmp_path
             pass
     rc, text = run.finish()
     assert rc == 2, text
-    assert "no space left on the disk" in text and "MiB are free" in text and "needs about" in text
+    assert "no space left on the disk" in text and "are free" in text and "needs about" in text
+    assert re.search(r"kept: the checkpoint step_0000\d\d, which --resume \S+ continues from", text), text
+    assert "Errno" not in text and "0 MiB" not in text
     assert_one_sentence_no_traceback(text)
     kept = sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step_"))
     assert kept and not any(p.name.startswith(".tmp") for p in (out / "checkpoints").iterdir())

@@ -121,3 +121,20 @@ def write_json_atomic(path: Path | str, obj: Any) -> None:
     text = json.dumps(obj, indent=2, ensure_ascii=False) + "\n"  # serialise first: a bad obj writes nothing
     with atomic_path(path) as temp:
         temp.write_text(text, encoding="utf-8")
+
+
+def append_line(path: Path | str, line: str) -> None:
+    """Append one line to a log (metrics.jsonl) whole or not at all: a write the disk cuts short is
+    taken back, so a reader never meets half a line; a full disk as DiskFull naming the file."""
+    path = Path(path)
+    size = path.stat().st_size if path.exists() else 0
+    try:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(line.rstrip("\n") + "\n")
+    except OSError as err:
+        with contextlib.suppress(OSError):
+            os.truncate(path, size)
+        full = full_disk_error(err, path.parent, path.name, len(line) + 1)
+        if full is err:
+            raise
+        raise full from err
