@@ -79,8 +79,12 @@ def find_comfyui() -> Path | None:
     stamp_file = dest / ".ugpum-source"
     if _is_comfyui_dir(dest) and stamp_file.is_file() and stamp_file.read_text() == stamp:
         return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix="comfyui-horde-", dir=dest.parent))
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix="comfyui-horde-", dir=dest.parent))
+    except OSError as err:                  # an unwritable HOME: one sentence with the fix, not an Errno
+        raise ComfyUINotFound(f"cannot copy ComfyUI into {dest.parent} ({err.strerror}); set XDG_CACHE_HOME to a "
+                              "folder you can write in, or COMFYUI_PATH to a ComfyUI checkout") from None
     try:
         copy = tmp / "c"
         shutil.copytree(src, copy, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))

@@ -188,8 +188,8 @@ def parse_device_spec(spec: str, probe: bool = True) -> Device:
     size = _SIZE.match(base)
     if size:
         total = int(float(size[1]) * GIB)
-        if total <= 0:
-            raise ValueError(f"device spec {spec!r}: memory must be more than 0")
+        if not 2 * GIB <= total <= 1024 * GIB:      # below 2 GiB the CUDA context and workspace leave nothing
+            raise ValueError(f"device spec {spec!r}: a GPU's memory must be from 2 to 1024 GiB (e.g. 16GiB)")
         return _hand_described(spec.strip(), total, REFERENCE_TFLOPS, link or REFERENCE_LINK)
 
     raise ValueError(_spec_help(spec))
