@@ -393,3 +393,24 @@ def test_two_stages_per_rank_are_placed_planned_and_refused_in_one_process():
     cfg.schedule = "zero-bubble"
     with pytest.raises(TrainingError, match="two pipeline stages on each rank of a distributed run"):
         plan_for(cfg)
+
+
+def test_one_loop_drives_both_engines_compile_and_8bit_included(tmp_path):
+    """The distributed run goes through the one training loop with every setting: compile = on
+    compiles each rank's blocks (the log says so, and the LoRA equals the eager single process to
+    float tolerance), and base_compute = fp8 on the CPU is refused by name before any work."""
+    from ugpum.train import loop
+    from ugpum.distributed.stepper import PipelineStepper
+    assert loop.LocalStepper is not PipelineStepper                # two steppers, one `train`
+    data = two_shapes(tmp_path)
+    args = common(data, "tiny-flux2", steps=2, grad_accum=2, schedule="1f1b")
+    refused = torchrun(2, *args, "--out", str(tmp_path / "fp8"), "--base-compute", "fp8", check=False)
+    assert refused.returncode != 0
+    said = refused.stdout + refused.stderr
+    assert "error: base_compute=fp8 needs an NVIDIA GPU" in said
+    assert f'File "{ROOT / "ugpum"}' not in said                   # a sentence, not our traceback (torchrun adds its own)
+    assert not (tmp_path / "fp8" / "metrics.jsonl").exists()
+    compiled = torchrun(2, *args, "--out", str(tmp_path / "compiled"), "--compile", "on")
+    assert "compile=on:" in compiled.stdout + compiled.stderr
+    reference = single_process(tmp_path / "one", *args)
+    assert_same_lora(reference, tmp_path / "compiled" / "ugpum_lora.safetensors", tolerance=1e-4)

@@ -125,6 +125,7 @@ class PipelineStepper:
         self.make_encoders = make_encoders
         self.lead = top.rank == 0
         self.can_sample = False    # the model is spread over ranks
+        self.name = "a distributed run"
         self.devices = [str(top.device)] if top.device.type == "cuda" else []
         self.flags = _Flags()
 

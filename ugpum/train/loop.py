@@ -117,7 +117,7 @@ def _train(cfg: TrainConfig, out: Path, model, encoders, key_prefix: str, resume
                           features.negative, run.items, h.on_sample) if cfg.sample_every and stepper.can_sample \
             else None
         if cfg.sample_every and samples is None:
-            say(f"samples: this engine renders none (sample_every = {cfg.sample_every} is ignored); the validation "
+            say(f"samples: {stepper.name} renders none (sample_every = {cfg.sample_every} is ignored); the validation "
                 f"loss shows progress, and {cfg.output_name}.safetensors loads in ComfyUI to see the LoRA")
         state = RunState(cfg, spec, run, features, plan, stepper, optimizer, samples, h, say)
         return state.run_steps()

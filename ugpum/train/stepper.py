@@ -21,6 +21,7 @@ from .stopping import stop_on_sigterm
 
 
 class LocalStepper:
+    name = "one process"
     lead = True                    # this process reads the data and writes the run folder
     can_sample = True
     saves_on_error = True          # any exception: the completed steps are saved before it propagates
