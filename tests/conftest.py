@@ -19,7 +19,7 @@ def comfy():
         yield module
 
 
-SERVER_FIXTURES = {"comfy_server_factory", "server", "workflow_server"}
+SERVER_FIXTURES = {"comfy_server_factory", "server", "workflow_server", "frontend_server"}
 
 
 def pytest_configure(config):

@@ -131,7 +131,10 @@ def test_ctrl_c_after_the_last_step_loses_nothing(tmp_path, reference):
     assert_one_sentence_no_traceback(text)
     assert_same_lora(lora(out), reference)
     assert (out / "checkpoints" / f"step_{STEPS:06d}").is_dir()
-    text = resume_and_compare(out, reference)          # resuming a complete run: nothing to retrain
+    rc, text = train(*BASE, "--steps", str(STEPS), "--resume", str(out))    # a finished run: nothing to train
+    assert rc == 0 and "nothing is left to train" in text and f"--steps {2 * STEPS}" in text, text
+    assert_one_sentence_no_traceback(text)
+    assert_same_lora(lora(out), reference)                                  # and nothing was redone or rewritten
 
 
 def test_a_second_ctrl_c_during_the_save_cannot_cut_it(tmp_path, reference):

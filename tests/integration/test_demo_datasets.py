@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "make_demo_datasets.py"
 DATA = REPO / "demo_datasets"
 TRIGGERS = ("loranne", "rolwayne")

@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 from comfy_bridge import find_comfyui
 
 pytestmark = pytest.mark.skipif(find_comfyui() is None, reason="needs ComfyUI's model classes")
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DATASET = ROOT / "demo_datasets" / "loranne"
 
 

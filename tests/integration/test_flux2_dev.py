@@ -25,7 +25,7 @@ from ugpum.stream_load import CheckpointMismatch, ScaledWeight, fill_from_file
 from ugpum.train.config import ConfigError, load_config
 
 pytestmark = pytest.mark.skipif(find_comfyui() is None, reason="needs ComfyUI's model classes")
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 DATASET = REPO / "demo_datasets" / "loranne"
 WORKFLOW = REPO / "example_workflows" / "ugpum_flux2dev_lora.json"
 DEV = "tiny-flux2-dev"

@@ -17,7 +17,7 @@ from ugpum.train.objective import validation_picks
 from ugpum.commands.train import run_training as train
 
 pytestmark = pytest.mark.skipif(find_comfyui() is None, reason="needs ComfyUI's model classes")
-DATASET = Path(__file__).resolve().parent.parent / "demo_datasets" / "loranne"
+DATASET = Path(__file__).resolve().parents[2] / "demo_datasets" / "loranne"
 QUIET = dict(log=lambda *a: None)
 
 

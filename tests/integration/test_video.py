@@ -87,7 +87,7 @@ def test_a_clip_becomes_frames_by_3_by_bucket(tmp_path):
 
 
 def test_demo_clip_set_is_a_480p_clip_dataset():
-    demo = Path(__file__).resolve().parent.parent / "demo_datasets" / "loranne_clips"
+    demo = Path(__file__).resolve().parents[2] / "demo_datasets" / "loranne_clips"
     items = load_clip_folder(demo, frames=33, resolution=640, trigger="loranne")
     assert len(items) == 10 and all(isinstance(i, ClipItem) for i in items)
     assert {i.bucket for i in items} == {(832, 480)}

@@ -214,6 +214,11 @@ def run_train(args) -> int:
     if getattr(args, "distributed", False) or getattr(args, "data_parallel", 1) != 1:   # torchrun ... --distributed
         from .train_distributed import run_train_distributed
         return run_train_distributed(args, cfg, out, files, build_model, build_encoders)
-    result = run_training(cfg, out, files, resume=bool(args.resume), overwrite=args.overwrite)
+    from ..train.run_folder import RunFinished
+    try:
+        result = run_training(cfg, out, files, resume=bool(args.resume), overwrite=args.overwrite)
+    except RunFinished as finished:                  # not an error: the run is done
+        print(finished)
+        return 0
     print(f"LoRA: {result.lora_path}")
     return 0
