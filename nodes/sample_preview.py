@@ -68,7 +68,7 @@ class SamplePreview(io.ComfyNode):
         if model.spec.frames_error(frames):
             raise UGPUMError(f"{NODE}: frames = {frames}: {model.spec.frames_error(frames)}.")
         from ugpum.dtypes import TORCH_DTYPES, training_dtype
-        from ugpum.preview import render_on_plan
+        from ugpum.preview import PreviewPrompt, render_on_plan
         from ugpum.report import to_pil
 
         from .comfy_glue import build_meta_model, free_comfy_memory, pil_to_image, return_memory
@@ -82,10 +82,10 @@ class SamplePreview(io.ComfyNode):
                 positive = encoders.encode_text([prompt])[0]
                 negative = encoders.encode_text([""])[0]
                 module = build_meta_model(model.spec, dtype)
+                asked = PreviewPrompt(positive, negative, width, height, seed % 2**63, steps, frames)
                 images = render_on_plan(model.spec, plan.plan, module, str(model.path), model.key_prefix, dtype,
-                                        encoders.decode, positive, negative, width, height, seed % 2**63, steps,
-                                        lora_tensors=lora, strength=strength, before_and_after=before_and_after,
-                                        frames=frames)
+                                        encoders.decode, asked, lora_tensors=lora, strength=strength,
+                                        before_and_after=before_and_after)
         finally:
             encoders = module = None
             return_memory()

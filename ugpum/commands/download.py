@@ -380,11 +380,17 @@ def fetch_file(f: ModelFile, dest: str | Path, source: Source, *, progress: bool
     finally:
         bar.close()
 
+    return _verified_into_place(f, remote, part, state_file, dest, offset, digest.hexdigest())
+
+
+def _verified_into_place(f: ModelFile, remote, part: Path, state_file: Path, dest: Path, size: int,
+                         sha256: str) -> Path:
+    """The finished partial renamed to `dest` when its size and hash are the source's; else discarded."""
     problem = None
-    if remote.size is not None and offset != remote.size:
-        problem = f"got {offset} bytes, more than the {remote.size} the source announced"
-    elif remote.sha256 is not None and digest.hexdigest() != remote.sha256:
-        problem = f"SHA-256 {digest.hexdigest()} does not match the source's {remote.sha256}"
+    if remote.size is not None and size != remote.size:
+        problem = f"got {size} bytes, more than the {remote.size} the source announced"
+    elif remote.sha256 is not None and sha256 != remote.sha256:
+        problem = f"SHA-256 {sha256} does not match the source's {remote.sha256}"
     if problem:
         part.unlink(missing_ok=True)
         state_file.unlink(missing_ok=True)
