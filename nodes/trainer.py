@@ -133,7 +133,7 @@ def _publish(src: Path, dest: Path) -> None:
     """Copy a LoRA file into models/loras/ugpum/ (via a temporary name, so loaders never see half a file)."""
     from ugpum.formats.atomic import atomic_path
     dest.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_path(dest) as tmp:
+    with atomic_path(dest, needed=src.stat().st_size, kept=f"the LoRA stays in {src.parent}") as tmp:
         shutil.copyfile(src, tmp)
 
 

@@ -6,6 +6,7 @@ Planner's settings are checked against the model as the command line's are."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -108,3 +109,27 @@ def test_a_dataset_toml_inside_input_trains(server):
 def test_the_planners_rank_is_checked_against_the_model(server):
     message = refusal(server, training("input/inside.toml", "rank_too_high", rank=128), "2")
     assert "setting 'rank' = 128: must be at most 64, the smallest layer a LoRA on tiny-flux2 adapts" in message
+
+
+@pytest.mark.parametrize("save_name, named", [
+    ("a\0b", "holds a control character"),
+    ("x" * 250, "is too long: with '_step100000.safetensors' it takes 273 bytes"),
+    ("what?", "which Windows cannot store"),
+], ids=["nul", "too-long", "windows"])
+def test_a_bad_save_name_is_refused_by_name_before_any_work(server, save_name, named):
+    message = refusal(server, training("input/inside.toml", save_name), "3")
+    assert message.startswith(f"LoRA Trainer: save name {save_name!r} {named}"), message
+    assert not (server.output_dir / "ugpum").exists() or not any(
+        p.name.startswith(save_name[:20]) for p in (server.output_dir / "ugpum").iterdir())
+
+
+def test_a_run_folder_another_run_holds_is_refused(server):
+    from ugpum.train.run_lock import RunLock
+    out = server.output_dir / "ugpum" / "held_run"
+    lock = RunLock(out).acquire()                    # another run (this test's process) trains into it
+    try:
+        message = refusal(server, training("input/inside.toml", "held_run"), "3")
+    finally:
+        lock.release()
+    assert f"{out} is in use by another run (process {os.getpid()} on " in message, message
+    assert not (server.base / "models" / "loras" / "ugpum" / "held_run.safetensors").exists()
