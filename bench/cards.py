@@ -1,0 +1,192 @@
+"""The cards people own, played by one big GPU (issue 24): `python -m ugpum train` with the allocator capped
+at a smaller card's memory and device detection reporting that card, one case per process.
+
+    python bench/cards.py --model-file K9.safetensors --card-gib 12 --base-compute fp8 --steps 8 \
+        --dataset demo_datasets/loranne --rows OUT/cards.jsonl --work /tmp/cards_run
+
+The run goes through the CLI's own `main(["train", "--config", TOML, ...])` in this process: the same
+planning, streaming, 8-bit quantising, swap, compile and step loop a user gets. Around it this script only
+(1) caps the allocator (`torch.cuda.set_per_process_memory_fraction`) at the card's memory minus the CUDA
+context a real card spends (`ugpum.plan.CUDA_CONTEXT`), (2) has `detect_devices` report the capped card,
+(3) records the plan the run made, and (4) samples the SM clock and power (nvidia-smi) while it trains.
+One JSON row per case is appended to --rows: model, card_gib (null: unconstrained), base_compute (what ran),
+s_per_step (median after the first two steps: compile and warm-up), peak_gib (allocator peak of the whole
+run, loading included), forecast_s, forecast_gib, swapped_blocks, the validation losses, clocks, command.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import io
+import json
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+GIB = 1024 ** 3
+
+
+class Tee(io.TextIOBase):
+    """stdout that is also kept, to read the run's own report lines (validation loss) afterwards."""
+
+    def __init__(self, stream):
+        self.stream, self.kept = stream, io.StringIO()
+
+    def write(self, text):
+        self.stream.write(text)
+        self.kept.write(text)
+        return len(text)
+
+    def flush(self):
+        self.stream.flush()
+
+
+def cap_card(card_gib: float | None):
+    """Cap cuda:0's allocator at the card's memory minus its CUDA context; `detect_devices` then reports
+    that card (same speed and link as the real GPU, the card's memory). None: unconstrained."""
+    import ugpum.devices as devices
+    from ugpum.plan import CUDA_CONTEXT
+    if card_gib is None:
+        return
+    budget = card_gib * GIB - CUDA_CONTEXT
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(budget / total, 0)
+    real = devices.detect_devices
+
+    def detect_capped(probe: bool = True):
+        found = real(probe=probe)
+        return [dataclasses.replace(found[0], label=f"{found[0].label} as a {card_gib:g} GiB card",
+                                    total_bytes=int(card_gib * GIB), free_bytes=int(budget))] + found[1:]
+    devices.detect_devices = detect_capped
+
+
+def record_plans(kept: list):
+    """Keep every plan that `plan_training` returns (the run's plan is the last one made before training)."""
+    import ugpum.plan as plan_module
+    original = plan_module.plan_training
+
+    def recorded(*args, **kwargs):
+        plan = original(*args, **kwargs)
+        kept.append(plan)
+        return plan
+    plan_module.plan_training = recorded
+    for name in ("ugpum.train.prepare", "ugpum.train.loop", "ugpum.forecast"):
+        module = sys.modules.get(name) or __import__(name, fromlist=["_"])
+        if getattr(module, "plan_training", None) is original:
+            module.plan_training = recorded
+
+
+class Clock:
+    """nvidia-smi sampling SM clock (MHz) and power (W) every 250 ms while the run trains."""
+
+    def __init__(self):
+        try:
+            self.proc = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,power.draw",
+                                          "--format=csv,noheader,nounits", "-lms", "250", "-i", "0"],
+                                         stdout=subprocess.PIPE, text=True)
+        except OSError:                   # no nvidia-smi (a CPU try of this script)
+            self.proc = None
+
+    def stop(self) -> dict:
+        if self.proc is None:
+            return {}
+        self.proc.terminate()
+        out, _ = self.proc.communicate(timeout=10)
+        rows = [[float(v) for v in line.split(",")] for line in out.splitlines() if re.match(r"^\s*\d", line)]
+        busy = [r for r in rows if r[1] > 200] or rows          # the samples while the GPU works
+        if not busy:
+            return {}
+        return {"sm_clock_mhz_median": statistics.median(r[0] for r in busy),
+                "power_w_median": statistics.median(r[1] for r in busy), "clock_samples": len(busy)}
+
+
+def write_config(path: Path, a) -> None:
+    from ugpum.arch import recognise
+    spec = recognise(a.model_file)[0]
+    lines = [f'model = "{spec.id}"', f"resolution = {a.resolution}", f"frames = {a.frames}", f"steps = {a.steps}",
+             f"rank = {a.rank}", f"alpha = {float(a.rank)}", f'weight_dtype = "{a.weight_dtype}"',
+             "sample_every = 0", f'compile = "{a.compile}"', f'base_compute = "{a.base_compute}"', "lr = 1e-4",
+             'devices = ["auto"]', "stand_in_encoders = true"]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model-file", required=True)
+    p.add_argument("--card-gib", type=float, default=None, help="the card's memory (omit: the whole GPU)")
+    p.add_argument("--base-compute", default="auto", choices=["auto", "bf16", "fp8", "int8"])
+    p.add_argument("--weight-dtype", default="bf16")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--resolution", type=int, default=1024)
+    p.add_argument("--frames", type=int, default=1)
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--compile", default="on", choices=["auto", "on", "off"])
+    p.add_argument("--dataset", default=str(ROOT / "demo_datasets" / "loranne"))
+    p.add_argument("--rows", required=True, help="JSON lines file the case's row is appended to")
+    p.add_argument("--work", required=True, help="a scratch folder for the run's config and output")
+    p.add_argument("--label", default="")
+    a = p.parse_args(argv)
+    work = Path(a.work)
+    work.mkdir(parents=True, exist_ok=True)
+    config, out = work / "config.toml", work / "run"
+    write_config(config, a)
+    cap_card(a.card_gib)
+    plans: list = []
+    record_plans(plans)
+    from ugpum.commands import main as ugpum_main
+    argv_train = ["train", "--config", str(config), "--model", a.model_file, "--dataset", a.dataset,
+                  "--out", str(out), "--overwrite"]
+    clock, tee, started = Clock(), Tee(sys.stdout), time.time()
+    with contextlib.redirect_stdout(tee):
+        rc = ugpum_main(argv_train)
+    clocks = clock.stop()
+    row = case_row(a, rc, plans, out, tee.kept.getvalue(), clocks)
+    row.update(wall_s=round(time.time() - started, 1),
+               command="python bench/cards.py " + " ".join(shlex.quote(x) for x in (argv or sys.argv[1:])),
+               cli=" ".join(["python -m ugpum", *argv_train]),
+               gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+               torch=torch.__version__)
+    with open(a.rows, "a") as f:
+        f.write(json.dumps(row) + "\n")
+    print(json.dumps(row))
+    return rc
+
+
+def case_row(a, rc: int, plans: list, out: Path, log: str, clocks: dict) -> dict:
+    plan = plans[-1] if plans else None
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()] \
+        if (out / "metrics.jsonl").exists() else []
+    timed = [s["seconds"] for s in steps[2:]]
+    found = {k: re.findall(rf"validation loss {k}[^:]*: ([0-9.]+)", log) for k in ("before", "after")}
+    return {
+        "label": a.label, "model": plan.model if plan else None, "card_gib": a.card_gib, "rc": rc,
+        "base_compute": plan.base_compute if plan else a.base_compute, "base_compute_setting": a.base_compute,
+        "base_compute_note": plan.base_compute_note if plan else "",
+        "resolution": a.resolution, "frames": a.frames, "steps": len(steps),
+        "s_per_step": round(statistics.median(timed), 4) if timed else None,
+        "step_seconds": [round(s["seconds"], 4) for s in steps],
+        "peak_gib": round(torch.cuda.max_memory_allocated(0) / GIB, 3) if torch.cuda.is_available() else None,
+        "budget_gib": plan.stages[0].budget_gib if plan else None,
+        "forecast_s": round(plan.predicted_step_s, 4) if plan else None,
+        "forecast_gib": plan.stages[0].forecast_gib if plan else None,
+        "swapped_blocks": len(plan.offloaded_blocks) if plan else None,
+        "swap_gib_per_step": round(plan.swap_bytes_per_step / GIB, 2) if plan else None,
+        "losses": [round(s["loss"], 4) for s in steps],
+        "validation_before": float(found["before"][-1]) if found["before"] else None,
+        "validation_after": float(found["after"][-1]) if found["after"] else None,
+        **clocks,
+    }
+
+
+if __name__ == "__main__":
+    sys.exit(main())

