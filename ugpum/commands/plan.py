@@ -50,7 +50,7 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--checkpointing", choices=["block", "none"], help="default block")
     p.add_argument("--compile", choices=["auto", "on", "off"],
                    help="plan compiled blocks (auto and on) or eager ones (off), as train runs them (default auto)")
-    p.add_argument("--base-compute", choices=["bf16", "fp8", "int8"],
+    p.add_argument("--base-compute", choices=["auto", "bf16", "fp8", "int8"],
                    help="the frozen base's matmuls: 8-bit holds the base at 1 byte a weight and runs it faster")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     # past one machine (README "Past one machine"): the --gpu list is one machine's GPUs
