@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from support import comfy_models as cm  # noqa: E402
 from ugpum.base_compute import (BaseComputeError, linear_8bit, quantise_rows,  # noqa: E402
                                 quantise_weight, supports, use_8bit_base)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from support import comfy_models as cm  # noqa: E402
 from ugpum.checkpointing import checkpoint_blocks  # noqa: E402
 from ugpum.compile import compile_blocks, compile_stats  # noqa: E402

@@ -16,9 +16,9 @@ import pytest
 import torch
 import torch.utils.checkpoint
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-if str(Path(__file__).resolve().parents[1]) not in sys.path:
-    sys.path.append(str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))      # tests/ (support)
+if str(Path(__file__).resolve().parents[2]) not in sys.path:
+    sys.path.append(str(Path(__file__).resolve().parents[2]))
 
 from support import comfy_models as cm  # noqa: E402
 from ugpum.inplace_guard import checkpoint_block, guard_inplace_residuals  # noqa: E402
