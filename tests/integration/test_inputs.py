@@ -25,7 +25,7 @@ from ugpum.commands import main
 from ugpum.formats.atomic import atomic_path
 from ugpum.train.dataset import load_bucketed_image, load_image_folder
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DATASET = REPO / "demo_datasets" / "loranne"
 BASE = ["--profile", "tiny-flux2", "--devices", "cpu", "--sample-every", "0", "--steps", "2"]
 needs_comfyui = pytest.mark.skipif(find_comfyui() is None, reason="needs ComfyUI's model classes")

@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 from comfy_bridge import find_comfyui
 
 pytestmark = pytest.mark.skipif(find_comfyui() is None, reason="needs ComfyUI's model classes")
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DATASET = REPO / "demo_datasets" / "loranne"
 STEPS = 12
 BASE = ["--profile", "tiny-flux2", "--dataset", str(DATASET), "--devices", "cpu", "--sample-every", "0"]
