@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from ..formats.atomic import atomic_path
 from ..formats.lora_file import lora_metadata, save_lora
 from .batches import load_items
 from .cache import dataset_hash
@@ -142,7 +143,8 @@ def keep_metrics_until(out: Path, step: int) -> None:
     """A resumed run trains the steps after its checkpoint again: their metrics lines go."""
     metrics = out / "metrics.jsonl"
     kept = metrics.read_text().splitlines()[:step] if metrics.is_file() else []
-    metrics.write_text("".join(line + "\n" for line in kept))
+    with atomic_path(metrics) as tmp:                  # a full disk or a kill never leaves half of it
+        tmp.write_text("".join(line + "\n" for line in kept))
 
 
 def save_final_lora(cfg: TrainConfig, spec, lora: LoraSet, out: Path, steps: int, data_hash: str, name: str) -> Path:
