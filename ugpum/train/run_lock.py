@@ -10,6 +10,7 @@ removes it when it lets go, and a file a killed run left is taken over (and said
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import socket
@@ -43,7 +44,7 @@ def _try_lock(fd: int) -> bool:
     except (BlockingIOError, PermissionError):
         return False
     except OSError as err:               # EACCES/EAGAIN on some systems mean "held" as well
-        if err.errno in (11, 13, 35):
+        if err.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
             return False
         raise
 
@@ -72,12 +73,21 @@ class RunLock:
         self.path = self.folder / LOCK_NAME
         self._fd: int | None = None
         self.taken_over: dict | None = None     # what a run that ended without letting go had written
+        self.unlocked: str = ""                  # why the folder could not be locked (a filesystem without locks)
 
     def acquire(self) -> "RunLock":
         self.folder.mkdir(parents=True, exist_ok=True)
         while True:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
-            if not _try_lock(fd):
+            try:
+                locked = _try_lock(fd)
+            except OSError as err:               # (some network filesystems have no locks: run unlocked, say so)
+                os.close(fd)
+                self.unlocked = err.strerror or str(err)
+                with contextlib.suppress(OSError):
+                    self.path.unlink()            # (nothing left behind: the file locks nothing here)
+                return self
+            if not locked:
                 os.close(fd)
                 raise RunLocked(f"{self.folder} is in use by another run ({_describe(_holder(self.path))}); "
                                 "wait for it to end, or train into another folder")
@@ -121,6 +131,8 @@ def hold_run_folder(folder: Path | str, log=print) -> Iterator[RunLock]:
     """The run folder locked for the block (released however the block ends)."""
     lock = RunLock(folder).acquire()
     try:
+        if lock.unlocked:
+            log(f"note: {lock.folder} cannot be locked ({lock.unlocked}); start no second run into it meanwhile")
         if lock.taken_over:
             log(f"took over the lock a run that ended without releasing it left in {lock.folder} "
                 f"({_describe(lock.taken_over)})")
