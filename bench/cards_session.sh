@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Issue 24 on the device (one H200): the cards people own, played by capping the H200's allocator.
-#   bash bench/cards_session.sh OUTDIR [test] [klein] [klein8] [wan]
+#   bash bench/cards_session.sh OUTDIR [test] [klein] [klein8] [nockpt] [wan]
 # test: tests/unit/test_swap_8bit.py on CUDA (swapped vs resident 8-bit LoRA gradients, fp8 and int8 kernels);
 # klein: klein 9B (random weights in a real-format file) fp8 and int8, unconstrained and as a 12 GiB card;
 # klein8: klein 9B fp8 as an 8 GiB card, 20 steps (validation loss against the unconstrained fp8 run);
+# nockpt: klein 9B bf16 compiled without and with per-block checkpointing (issue 23's crash);
 # wan: Wan 2.1 14B fp8 at 832x480 x 17 frames, unconstrained and as a 16 GiB card.
 # Every case is `python -m ugpum train` run by bench/cards.py in its own process; rows go to OUTDIR/cards.jsonl.
 # Carries .whl_speed/ (einops, psutil, torchsde, trampoline, pytest wheels and comfyui.tar.xz: the ComfyUI
@@ -41,6 +42,10 @@ for s in $sections; do
     run_case klein-unconstrained-int8 --model-file $k9 --base-compute int8 --steps 8 ;;
   klein8) [ -f $k9 ] || { step "klein 9B write"; timeout 150 python3 bench/place_train.py write --model flux2-klein-9b --path $k9 >> "$log" 2>&1; }
     run_case klein-8-fp8 --model-file $k9 --base-compute auto --card-gib 8 --steps 20 ;;
+  nockpt) [ -f $k9 ] || { step "klein 9B write"; timeout 150 python3 bench/place_train.py write --model flux2-klein-9b --path $k9 >> "$log" 2>&1; }
+    # issue 23: compiled blocks without per-block checkpointing (crashed in backward before the fix)
+    run_case klein-bf16-compiled-no-checkpointing --model-file $k9 --base-compute bf16 --checkpointing false --steps 8
+    run_case klein-bf16-compiled-checkpointing --model-file $k9 --base-compute bf16 --steps 8 ;;
   wan) [ -f $w14 ] || { step "Wan 14B write"; timeout 200 python3 bench/place_train.py write --model wan2.1-14b --path $w14 >> "$log" 2>&1; }
     run_case wan-16-fp8 --model-file $w14 --base-compute fp8 --card-gib 16 --steps 6 --resolution 640 --frames 17 \
       --rank 32 --dataset demo_datasets/loranne_clips
