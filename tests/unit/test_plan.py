@@ -38,7 +38,7 @@ def _brute_force(ev: StageCosts):
     return best
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(devs=devices_st, w=workload_st, model=st.sampled_from(["flux2-klein-4b", "flux2-klein-9b", "wan2.1-1.3b"]))
 def test_plan_properties_and_optimality(devs, w, model):
     spec = get_spec(model)
