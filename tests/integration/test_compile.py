@@ -6,9 +6,11 @@ the CPU says once why it runs eagerly. Compiled blocks train without per-block c
 FLUX.2 crashed in backward), in fp32 against eager fp32 and fp64, and in bf16 under autocast as on the GPU.
 
 ComfyUI picks its attention by device; on the CPU it picks split attention, which asks psutil for free
-memory (a graph break). The tests use `attention_pytorch`, what ComfyUI runs on NVIDIA GPUs."""
+memory (a graph break). The tests use `attention_pytorch`, what ComfyUI runs on NVIDIA GPUs; one test keeps a
+graph break on purpose: such a block class runs eagerly (compiled in pieces it crashed like issue 23)."""
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -166,3 +168,50 @@ def test_compiled_flux2_in_bf16_under_autocast_without_checkpointing(pytorch_att
         assert _worst(got, ref) < 1.5 * _worst(eager, ref), f"checkpointing {checkpointing}"
         assert _min_cosine(got, ref) > 0.98, f"checkpointing {checkpointing}"
         undo()
+
+
+@pytest.mark.slow
+def test_a_block_that_is_not_one_graph_runs_eagerly_and_trains(comfy, monkeypatch):
+    """A FLUX.2 block that Dynamo would split (an op it cannot trace inside attention, as ComfyUI's split
+    attention on the CPU asks psutil for free memory) must not be compiled in pieces: a later piece adds in
+    place into a tensor an earlier piece saved for backward. The class runs eagerly, said once, and trains
+    like eager with and without checkpointing."""
+    import comfy.ldm.flux.math as flux_math
+    import comfy.ldm.modules.attention as attention
+
+    def attention_dynamo_cannot_trace(*args, **kwargs):
+        torch._dynamo.graph_break()
+        return attention.attention_pytorch(*args, **kwargs)
+
+    monkeypatch.setattr(flux_math, "optimized_attention", attention_dynamo_cannot_trace)
+    torch._dynamo.reset()
+    eager_model, eager_lora, _, _ = _setup("flux2", compiled=False, checkpointing=False)
+    eager = _grads(eager_model, eager_lora, _inputs("flux2", eager_model))
+    for checkpointing in (False, True):
+        model, lora, logged, undo = _setup("flux2", compiled=True, checkpointing=checkpointing)
+        got = _grads(model, lora, _inputs("flux2", model))
+        assert _worst(got, eager) < 1e-6, f"checkpointing {checkpointing}"
+        assert sorted(line.split()[1] for line in logged[1:]) == ["DoubleStreamBlock", "SingleStreamBlock"]
+        assert all("does not compile as one graph" in line for line in logged[1:])
+        undo()
+
+
+@pytest.mark.slow
+def test_cli_trains_compiled_flux2_without_checkpointing(tmp_path, capsys, pytorch_attention):
+    """Issue 23 as the user met it: `train --compile on` with `checkpointing = false` in a --config TOML, the
+    blocks really compiled (no eager fallback), LoRA written and finite."""
+    from safetensors.torch import load_file
+    from ugpum.commands import main
+    config = tmp_path / "no_checkpointing.toml"
+    config.write_text("checkpointing = false\n")
+    out = tmp_path / "run"
+    before = compile_stats()
+    dataset = Path(__file__).resolve().parents[2] / "demo_datasets" / "loranne"
+    assert main(["train", "--profile", "tiny-flux2", "--config", str(config), "--dataset", str(dataset),
+                 "--devices", "cpu", "--steps", "2", "--sample-every", "0", "--compile", "on", "--out", str(out)]) == 0
+    said = capsys.readouterr().out
+    assert json.loads((out / "plan.json").read_text())["workload"]["checkpointing"] is False
+    assert "blocks compiled as 2 shared graph(s)" in said and "does not compile as one graph" not in said
+    assert compile_stats().graphs > before.graphs
+    lora = load_file(str(out / "ugpum_lora.safetensors"))
+    assert lora and all(torch.isfinite(t).all() for t in lora.values())
