@@ -13,6 +13,7 @@ from ugpum.arch import UnknownModel
 from ugpum.devices import DeviceError
 from ugpum.plan import PlanError
 from ugpum.formats.safetensors_header import HeaderError
+from ugpum.wording import for_nodes
 
 
 class UGPUMError(RuntimeError):
@@ -92,7 +93,7 @@ def user_errors(node: str, file_name: str | None = None):
         message = user_message(exc, file_name)
         if message is None:
             raise
-        raise UGPUMError(f"{node}: {message}") from exc
+        raise UGPUMError(f"{node}: {for_nodes(message)}") from exc
 
 
 def is_interruption(exc: BaseException) -> bool:

@@ -11,6 +11,7 @@ from .arch import get_spec
 from .arch.base import latent_frames
 from .devices import Device, parse_device_specs, resolve_devices
 from .plan import GIB, Plan, PlanError, alternatives_text, plan_training
+from .wording import for_cli
 
 # What a machine without a GPU is shown instead: the most common cards first.
 TYPICAL_RIGS = (("1x RTX 4090 (24 GiB, PCIe 4 x16)", ["rtx4090"]),
@@ -112,6 +113,6 @@ def plan_report(cfg, profile: str = "") -> str:
         try:
             text = format_plan(plan_for_config(cfg, devices))
         except PlanError as e:
-            text = f"does not fit: {e}"
+            text = f"does not fit: {for_cli(str(e))}"       # (the demo's report: worded as `plan` words it)
         parts.append(f"=== {name} on {title} ===\n{text}\n")
     return "\n".join(parts)

@@ -10,6 +10,7 @@ from . import cost
 from .arch.base import ACT_BYTES, WEIGHT_BYTES, ArchSpec, Workload
 from .devices import Device, gpu_to_gpu_gbps
 from .schedules import best_schedule, in_flight as held_in_flight
+from .wording import setting
 
 GIB = cost.GIB
 MIB = 1024 ** 2
@@ -239,7 +240,7 @@ def make_plan(spec: ArchSpec, devices: list[Device], w: Workload, grad_accum: in
               in_flight: int = 1, split: list[int] | None = None) -> Plan:
     """The best plan (or the given `split`: blocks per device) with its forecast."""
     if not devices:
-        raise PlanError("no device to plan for: give at least one --gpu (e.g. 16GiB, rtx4090, auto)")
+        raise PlanError(f"no device to plan for: give at least one {setting('gpu')} (e.g. 16GiB, rtx4090, auto)")
     if w.base_compute == "auto":                  # (callers that plan below plan_training)
         w = eight_bit_workload(w, choose_base_compute(spec, devices, w, grad_accum, split=split).base_compute)
     solved = _solve(spec, devices, w, grad_accum, in_flight, split)
@@ -418,13 +419,14 @@ def _explain_failure(spec, devices, w, grad_accum, in_flight) -> str:
     tries = []
     variants = []
     if w.weight_dtype != "fp8":
-        variants.append(("fp8 weights (--dtype fp8)", dataclasses.replace(w, weight_dtype="fp8"), devices))
+        variants.append((f"fp8 weights ({setting('weight_dtype', 'fp8')})", dataclasses.replace(w, weight_dtype="fp8"),
+                         devices))
     if not w.checkpointing:
-        variants.append(("per-block checkpointing (--checkpointing block)",
+        variants.append((f"per-block checkpointing ({setting('checkpointing', True)})",
                          dataclasses.replace(w, checkpointing=True), devices))
     for res in (768, 512):
         if res < max(w.width, w.height):
-            variants.append((f"resolution {res} (--resolution {res})",
+            variants.append((f"resolution {res} ({setting('resolution', res)})",
                              dataclasses.replace(w, width=res, height=res), devices))
     largest = max(devices, key=lambda d: d.free_bytes)
     for more in (1, 2, 3):
@@ -465,17 +467,17 @@ def _what_would_fit(spec, devices, w, grad_accum, in_flight) -> str:
         return (f"a GPU with {gib} GiB" if len(devices) == 1 else f"{len(devices)} GPUs with {gib} GiB each")
 
     def flag(gib: int) -> str:
-        return f"--gpu {gib}GiB" + ("" if len(devices) == 1 else f" {len(devices)} times")
+        return setting("gpu", f"{gib}GiB") + ("" if len(devices) == 1 else f" {len(devices)} times")
     gib = smallest_gib(w)
     if gib is not None:
         return f"Nothing simple would fit: {gpus(gib)} would ({flag(gib)})."
     lean = dataclasses.replace(w, weight_dtype="fp8", checkpointing=True, batch=1,
                                width=min(w.width, 512), height=min(w.height, 512))
     changes = [text for text, changed in (
-        ("fp8 weights (--dtype fp8)", w.weight_dtype != "fp8"),
-        ("per-block checkpointing (--checkpointing block)", not w.checkpointing),
-        ("batch 1 (--batch 1)", w.batch > 1),
-        ("resolution 512 (--resolution 512)", max(w.width, w.height) > 512)) if changed]
+        (f"fp8 weights ({setting('weight_dtype', 'fp8')})", w.weight_dtype != "fp8"),
+        (f"per-block checkpointing ({setting('checkpointing', True)})", not w.checkpointing),
+        (f"batch 1 ({setting('batch', 1)})", w.batch > 1),
+        (f"resolution 512 ({setting('resolution', 512)})", max(w.width, w.height) > 512)) if changed]
     gib = smallest_gib(lean) if changes else None
     if gib is None:
         return f"Nothing would fit, not even {gpus(LARGEST_GPU_GIB)}."

@@ -1,13 +1,11 @@
 """One forecast for one set of settings: `plan`, `doctor`, the demo's plan_report.txt and the Partition
 Planner node print the same plan, every speed line says what it assumes, and a CPU run says it is one
 instead of forecasting 0.00 s/step."""
-import importlib
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 
+from support.pack_nodes import pack_nodes
 from ugpum.commands import main
 from ugpum.commands.demo import klein_report
 from ugpum.commands.doctor import plan_info
@@ -25,17 +23,6 @@ def report_section(report: str, title: str) -> str:
     head = f"=== profile klein-9b-1024 (flux2-klein-base-9b) on {title} ===\n"
     assert head in report, report[:400]
     return report.split(head, 1)[1].split("\n=== ", 1)[0].strip()
-
-
-def pack_nodes():
-    """The pack's nodes/ package under a name of its own (ComfyUI's nodes.py owns the name `nodes`)."""
-    if "ugpum_pack_nodes" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("ugpum_pack_nodes", PACK / "nodes" / "__init__.py",
-                                                      submodule_search_locations=[str(PACK / "nodes")])
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["ugpum_pack_nodes"] = module
-        spec.loader.exec_module(module)
-    return (importlib.import_module("ugpum_pack_nodes.planner"), importlib.import_module("ugpum_pack_nodes.types"))
 
 
 def test_plan_doctor_and_the_demo_report_agree_for_the_profile(capsys):

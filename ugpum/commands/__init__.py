@@ -11,6 +11,7 @@ from ..arch import UnknownModel
 from ..devices import DeviceError
 from ..plan import PlanError
 from ..train.config import ConfigError
+from ..wording import for_cli
 from .bench import add_bench_parser, run_bench
 from .demo import add_demo_parser, run_demo
 from .doctor import add_doctor_parser, run_doctor
@@ -44,5 +45,5 @@ def main(argv: list[str] | None = None) -> int:
     except (UsageError, UnknownModel, PlanError, ConfigError, DeviceError, ValueError, RuntimeError, OSError) as e:
         if os.environ.get("UGPUM_DEBUG"):
             raise
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {for_cli(str(e), args.command)}", file=sys.stderr)
         return 2

@@ -212,6 +212,7 @@ def plan_info(profile_id: str, devices=None) -> dict:
     from ..forecast import assumptions, format_plan, plan_for_config
     from ..plan import PlanError
     from ..train.config import load_config
+    from ..wording import for_cli
 
     cfg = load_config(profile_id)
     out = {"profile": profile_id, "model": cfg.model, "dtype": cfg.weight_dtype,
@@ -224,7 +225,7 @@ def plan_info(profile_id: str, devices=None) -> dict:
                                 "assumes": assumptions(plan), "verdict": plan.verdict, "text": format_plan(plan)})
         except PlanError as err:
             out["rigs"].append({"rig": rig, "here": here, "predicted_step_s": None,
-                                "verdict": str(err), "text": f"does not fit: {err}"})
+                                "verdict": for_cli(str(err)), "text": f"does not fit: {for_cli(str(err))}"})
 
     if devices:
         one(" + ".join(d.label for d in devices), devices, True)

@@ -1,0 +1,73 @@
+"""A setting named in a message, worded for whoever shows the message.
+
+The core never words its advice as a command-line flag or a node widget: it marks the setting it means
+(`setting("weight_dtype", "fp8")`), and each front end puts the marks into its own words when it shows
+the message: the command line as a flag of the verb the user ran (`--dtype fp8`), the nodes as the
+input on the node the user sees (`weight_dtype = fp8 on the UGPUM Loader`). `plain()` is the
+setting's own name (`weight_dtype = fp8`, as a --config TOML writes it), for anything else.
+"""
+from __future__ import annotations
+
+import re
+
+_MARK = re.compile(r"\{setting:(\w+)(?:=([^{}]*))?\}")
+
+
+def setting(name: str, value: object = None) -> str:
+    """A mark for setting `name` (at `value`), to be worded by the front end that shows the message."""
+    if isinstance(value, bool):
+        value = str(value).lower()                     # as TOML writes it
+    return "{setting:" + name + ("" if value is None else f"={value}") + "}"
+
+
+# name -> flag, for each verb (a setting a verb has no flag for is worded as its --config key)
+_FLAGS = {
+    "plan": {"weight_dtype": "--dtype", "checkpointing": "--checkpointing", "batch": "--batch",
+             "resolution": "--resolution", "gpu": "--gpu", "base_compute": "--base-compute", "rank": "--rank",
+             "grad_accum": "--grad-accum", "frames": "--frames", "schedule": "--schedule"},
+    "train": {"batch": "--batch", "base_compute": "--base-compute", "grad_accum": "--grad-accum",
+              "frames": "--frames", "schedule": "--schedule", "steps": "--steps", "compile": "--compile",
+              "devices": "--devices"},
+}
+# the values a flag takes where they differ from the setting's (checkpointing = true is --checkpointing block)
+_FLAG_VALUES = {("checkpointing", "true"): "block", ("checkpointing", "false"): "none"}
+# name -> (input, node)
+_NODE_INPUTS = {"weight_dtype": ("weight_dtype", "UGPUM Loader"), "devices": ("devices", "UGPUM Loader"),
+                "gpu": ("devices", "UGPUM Loader"), "resolution": ("resolution", "Partition Planner"),
+                "batch": ("batch", "Partition Planner"), "grad_accum": ("gradient accumulation", "Partition Planner"),
+                "rank": ("LoRA rank", "Partition Planner"), "checkpointing": ("checkpointing", "Partition Planner"),
+                "frames": ("frames", "Partition Planner"), "schedule": ("schedule", "Partition Planner"),
+                "base_compute": ("base compute", "Partition Planner"), "steps": ("steps", "LoRA Trainer"),
+                "compile": ("compile", "LoRA Trainer")}
+
+
+def _replace(text: str, word) -> str:
+    return _MARK.sub(lambda m: word(m.group(1), m.group(2)), text)
+
+
+def plain(text: str) -> str:
+    """Marks as the settings' own names: `weight_dtype = fp8`."""
+    return _replace(text, lambda name, value: name if value is None else f"{name} = {value}")
+
+
+def for_cli(text: str, verb: str = "plan") -> str:
+    """Marks as the flags of `verb` (`--dtype fp8`); a setting it has no flag for as its --config key."""
+    flags = _FLAGS.get(verb, {})
+
+    def word(name, value):
+        flag = flags.get(name)
+        if flag is None:
+            key = name if value is None else f"{name} = {value}"
+            return f"{key} in the --config TOML" if verb == "train" else key
+        value = _FLAG_VALUES.get((name, value), value)
+        return flag if value is None else f"{flag} {value}"
+    return _replace(text, word)
+
+
+def for_nodes(text: str) -> str:
+    """Marks as the input on the node that holds it: `weight_dtype = fp8 on the UGPUM Loader`."""
+    def word(name, value):
+        field, node = _NODE_INPUTS.get(name, (name, "node"))
+        value = _FLAG_VALUES.get((name, value), value)
+        return f"{field} on the {node}" if value is None else f"{field} = {value} on the {node}"
+    return _replace(text, word)
