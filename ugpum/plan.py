@@ -77,9 +77,11 @@ class StageCosts:
         self.lora = [cost.lora_bytes(b, w) for b in spec.blocks]
         self.kept = [cost.block_activation_bytes(spec, b, w) for b in spec.blocks]
         self.extra = [cost.block_peak_extra_bytes(spec, b, w) for b in spec.blocks]
-        # embedders and modulations are matrices, held like the blocks (1 byte each in fp8)
-        self.head = spec.head_params * WEIGHT_BYTES[w.weight_dtype] + w.batch * w.text_tokens * spec.context_dim * ACT_BYTES
-        self.tail = spec.tail_params * WEIGHT_BYTES[w.weight_dtype]
+        # embedders and modulations are held like the blocks (1 byte each in fp8 weights), except under the
+        # 8-bit base, which quantises only the blocks' Linears: the rest stays as loaded (bf16 counted)
+        outside = ACT_BYTES if w.base_compute in cost.EIGHT_BIT_MODES else WEIGHT_BYTES[w.weight_dtype]
+        self.head = spec.head_params * outside + w.batch * w.text_tokens * spec.context_dim * ACT_BYTES
+        self.tail = spec.tail_params * outside
         self.stage = lru_cache(maxsize=None)(self._stage)
 
     def _memory(self, k: int, a: int, b: int, offloaded: tuple[int, ...]) -> dict[str, float]:
