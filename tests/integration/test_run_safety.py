@@ -6,14 +6,10 @@ to an uninterrupted run's."""
 from __future__ import annotations
 
 import json
-import os
-import queue
 import re
 import shutil
 import signal
 import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
 
@@ -21,57 +17,13 @@ import pytest
 from safetensors.torch import load_file
 
 from comfy_bridge import find_comfyui
+from support.cli_run import Run, train
 
 pytestmark = pytest.mark.skipif(find_comfyui() is None, reason="needs ComfyUI's model classes")
 REPO = Path(__file__).resolve().parents[2]
 DATASET = REPO / "demo_datasets" / "loranne"
 STEPS = 12
 BASE = ["--profile", "tiny-flux2", "--dataset", str(DATASET), "--devices", "cpu", "--sample-every", "0"]
-
-
-class Run:
-    """`python -m ugpum train ...` in a child process, its output lines readable as they come."""
-
-    def __init__(self, *args: str, env: dict | None = None):
-        self.proc = subprocess.Popen([sys.executable, "-m", "ugpum", "train", *args], cwd=REPO,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env=dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **(env or {})))
-        self.lines: queue.Queue[str] = queue.Queue()
-        self.output: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self):
-        for line in self.proc.stdout:
-            self.output.append(line)
-            self.lines.put(line)
-
-    def wait_for(self, text: str, timeout: float = 120) -> None:
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            try:
-                if text in self.lines.get(timeout=max(end - time.monotonic(), 0.01)):
-                    return
-            except queue.Empty:
-                break
-        raise AssertionError(f"never saw {text!r}:\n{''.join(self.output)}")
-
-    def wait_for_metrics(self, out: Path, steps: int, timeout: float = 120) -> None:
-        end = time.monotonic() + timeout
-        while time.monotonic() < end and self.proc.poll() is None:
-            metrics = out / "metrics.jsonl"
-            if metrics.is_file() and len(metrics.read_text().splitlines()) >= steps:
-                return
-            time.sleep(0.02)
-        raise AssertionError(f"the run never logged {steps} steps:\n{''.join(self.output)}")
-
-    def finish(self, timeout: float = 300) -> tuple[int, str]:
-        rc = self.proc.wait(timeout=timeout)
-        time.sleep(0.05)
-        return rc, "".join(self.output)
-
-
-def train(*args: str) -> tuple[int, str]:
-    return Run(*args).finish()
 
 
 def lora(out: Path, name: str = "ugpum_lora.safetensors") -> dict:

@@ -35,6 +35,23 @@ class Run:
             time.sleep(0.01)
         raise AssertionError(f"never saw {what}:\n{''.join(self.output)}")
 
+    def wait_for(self, text: str, timeout: float = 120) -> None:
+        """Until a line holding `text` is printed."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            try:
+                if text in self.lines.get(timeout=max(end - time.monotonic(), 0.01)):
+                    return
+            except queue.Empty:
+                break
+        raise AssertionError(f"never saw {text!r}:\n{''.join(self.output)}")
+
+    def wait_for_metrics(self, out: Path, steps: int, timeout: float = 120) -> None:
+        """Until the run's metrics.jsonl records `steps` steps."""
+        metrics = out / "metrics.jsonl"
+        self.wait_until(lambda: metrics.is_file() and len(metrics.read_text().splitlines()) >= steps, timeout,
+                        f"{steps} steps logged")
+
     def finish(self, timeout: float = 600) -> tuple[int, str]:
         rc = self.proc.wait(timeout=timeout)
         time.sleep(0.05)
