@@ -398,12 +398,18 @@ def test_two_stages_per_rank_are_placed_planned_and_refused_in_one_process():
 def test_one_loop_drives_both_engines_compile_and_8bit_included(tmp_path):
     """The distributed run goes through the one training loop with every setting: compile = on
     compiles each rank's blocks (the log says so, and the LoRA equals the eager single process to
-    float tolerance), and base_compute = fp8 on the CPU is refused by name before any work."""
+    float tolerance), and base_compute = fp8 on the CPU is refused by name before any work. One bucket
+    shape and one step keep the compiling short."""
+    from PIL import Image
     from ugpum.train import loop
     from ugpum.distributed.stepper import PipelineStepper
     assert loop.LocalStepper is not PipelineStepper                # two steppers, one `train`
-    data = two_shapes(tmp_path)
-    args = common(data, "tiny-flux2", steps=2, grad_accum=2, schedule="1f1b")
+    data = tmp_path / "data"
+    data.mkdir()
+    for i, src in enumerate(sorted(DATASET.glob("*.jpg"))[:2]):
+        Image.open(src).convert("RGB").resize((512, 512)).save(data / f"img_{i}.png")
+        (data / f"img_{i}.txt").write_text((DATASET / f"{src.stem}.txt").read_text())
+    args = common(data, "tiny-flux2", steps=1, grad_accum=2, schedule="1f1b")
     refused = torchrun(2, *args, "--out", str(tmp_path / "fp8"), "--base-compute", "fp8", check=False)
     assert refused.returncode != 0
     said = refused.stdout + refused.stderr
