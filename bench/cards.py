@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import io
 import json
+import os
 import re
 import shlex
 import statistics
@@ -181,6 +182,8 @@ def case_row(a, rc: int, plans: list, out: Path, log: str, clocks: dict) -> dict
         "forecast_s": round(plan.predicted_step_s, 4) if plan else None,
         "forecast_gib": plan.stages[0].forecast_gib if plan else None,
         "swapped_blocks": len(plan.offloaded_blocks) if plan else None,
+        "offloaded_blocks": list(plan.offloaded_blocks) if plan else None,
+        "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
         "swap_gib_per_step": round(plan.swap_bytes_per_step / GIB, 2) if plan else None,
         "losses": [round(s["loss"], 4) for s in steps],
         "validation_before": float(found["before"][-1]) if found["before"] else None,

@@ -52,6 +52,9 @@ for s in $sections; do
     run_case wan-unconstrained-fp8 --model-file $w14 --base-compute fp8 --steps 6 --resolution 640 --frames 17 \
       --rank 32 --dataset demo_datasets/loranne_clips ;;
   wan16) [ -f $w14 ] || { step "Wan 14B write"; timeout 200 python3 bench/place_train.py write --model wan2.1-14b --path $w14 >> "$log" 2>&1; }
+    # torch's default allocator fragments here (call 5: 12.8 GiB allocated, 2.5 GiB reserved unused, out of
+    # memory in step 2); with expandable segments it trains (call 6). The row records the setting.
+    export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
     run_case wan-16-fp8 --model-file $w14 --base-compute fp8 --card-gib 16 --steps 6 --resolution 640 --frames 17 \
       --rank 32 --dataset demo_datasets/loranne_clips ;;
   esac

@@ -7,16 +7,19 @@ GIB = 1024 ** 3
 
 # A DiT block reaches this fraction of the device's measured square-matmul rate (eager, bf16). Refitted
 # (issue 24) with the two factors below to every s/step recorded through the CLI on the H200
-# (bench/results/cards.json, modes.json; `python bench/cards_refit.py`): all within 6.2 %.
+# (bench/results/cards.json, modes.json; `python bench/cards_refit.py`): all within 8 %. The rows
+# themselves spread that much: klein 9B compiled fp8 ran 0.366 s in one session, 0.428 s in another.
 BLOCK_EFFICIENCY = 0.51
 # Compiled blocks (ugpum.compile) fuse the elementwise and copy kernels around the matmuls: klein 9B at
-# 1024² through the CLI, 0.6069 s eager against 0.4651 s compiled (modes.json), about 1.26x with the
+# 1024² through the CLI, 0.6069 s eager against 0.4651 s compiled (modes.json), 1.30x; 1.28 with the
 # other CLI rows.
-COMPILED_EFFICIENCY = BLOCK_EFFICIENCY * 1.26
+COMPILED_EFFICIENCY = BLOCK_EFFICIENCY * 1.28
 # The base's dense matmuls in 8-bit (ugpum.base_compute), as a multiple of their bf16 speed (attention and
-# the LoRA unchanged): compiled, fitted to the CLI rows (klein fp8 0.366-0.428 s, int8 0.450-0.515 s, Wan
-# 14B fp8 1.330 s); eager, the unfused per-token quantisation costs more than the kernels save (fp8 0.71,
-# int8 1.00 s against 0.61 s, bench/results/speed.md). fp8's GEMMs alone ran 1.88x bf16's.
+# the LoRA unchanged): compiled, fitted to the CLI rows (klein fp8 0.366-0.428 s, int8 0.450-0.515 s,
+# Wan 14B fp8 1.273-1.330 s; int8 1.00: in one session compiled int8 ran 0.4495 s against bf16's 0.4651,
+# the cards session's slower int8 rows came with its slower fp8 ones); eager, the unfused quantisation
+# costs more than the kernels save (fp8 0.71, int8 1.00 s against 0.61 s, bench/results/speed.md).
+# fp8's GEMMs alone ran 1.88x bf16's.
 BASE_DENSE_SPEED = {("bf16", False): 1.0, ("bf16", True): 1.0, ("fp8", True): 1.30, ("fp8", False): 0.83,
                     ("int8", True): 1.00, ("int8", False): 0.56}
 # Frozen base weights: backward computes only input gradients for the dense part (1x forward);
