@@ -32,10 +32,10 @@ LORA_BYTES_PER_PARAM = 16
 # its saved tensors as it goes, so the peak holds about this share of them (klein 9B 1024², H200).
 RECOMPUTE_PEAK_SHARE = 0.75
 EIGHT_BIT_MODES = ("fp8", "int8")
-# Bytes per element of a Wan block's [tokens, ffn] tensors the 8-bit base holds at its peak on top of the
-# bf16 model's (ugpum.base_compute: the bf16 hidden, its 8-bit copy, the fp32 gradient scaled by the
-# weight's channel scale), fitted so the forecast covers Wan 14B fp8's peak, 640² x 17 frames, compiled,
-# on the H200: 23.56 GiB measured, 23.93 forecast (the head kept bf16 and no cast copies counted).
+# Bytes per element of a Wan block's [tokens, ffn] FFN tensors that the 8-bit base holds at its peak on
+# top of the bf16 model's (eight_bit_work_bytes), fitted so the forecast covers Wan 14B fp8's peak at 640²
+# x 17 frames, compiled, on the H200: 23.56 GiB measured, 23.93 forecast (with the head kept bf16 and no
+# cast copies counted); as a 16 GiB card: 13.86 GiB measured, 14.44 forecast.
 EIGHT_BIT_FFN_WORK = 24
 
 
@@ -91,10 +91,11 @@ def cast_copy_bytes(block: BlockSpec, w: Workload) -> float:
 
 
 def eight_bit_work_bytes(spec: ArchSpec, w: Workload) -> float:
-    """Working memory of the 8-bit base's widest GEMM while a Wan block is recomputed and differentiated:
-    the FFN's [tokens, ffn] operands in bf16, fp32 and 8-bit at once (the Wan 14B fp8 run ran out of
-    memory allocating exactly such tensors, 206 and 104 MiB at 7800 tokens). FLUX.2's fused MLP has no
-    separate FFN width here (spec.ffn 0) and its measured 8-bit peaks sit under the forecast already."""
+    """Working memory a Wan block under the 8-bit base holds at its peak beyond the bf16 model's, counted on
+    its FFN's [tokens, ffn] tensors: the Wan 14B fp8 runs ran out of memory allocating exactly such tensors
+    (206 and 104 MiB at 7800 tokens: bf16 and 8-bit). A fit to the one CLI measurement (EIGHT_BIT_FFN_WORK),
+    not a per-tensor account. FLUX.2 has no separate FFN width here (spec.ffn 0); its 8-bit peaks sit
+    at the forecast without it."""
     if w.base_compute not in EIGHT_BIT_MODES:
         return 0.0
     return EIGHT_BIT_FFN_WORK * w.batch * spec.image_tokens(w) * spec.ffn
