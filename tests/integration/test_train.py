@@ -316,8 +316,8 @@ def test_demo_on_real_weights_names_missing_files_and_the_download_command(tmp_p
     assert main(["demo", "--models", str(models), "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert "text_encoders/qwen_3_8b_fp8mixed.safetensors" in err
-    assert "diffusion_models/flux-2-klein-9b.safetensors" in err
-    assert "python -m ugpum download flux2-klein-9b" in err and "vae/flux2-vae" not in err
+    assert "diffusion_models/flux-2-klein-base-9b.safetensors" in err
+    assert "python -m ugpum download flux2-klein-base-9b" in err and "vae/flux2-vae" not in err
 
 
 def test_cli_train_on_a_models_folder_names_each_missing_file_and_the_download_command(tmp_path, capsys):
@@ -328,14 +328,14 @@ def test_cli_train_on_a_models_folder_names_each_missing_file_and_the_download_c
     args = ["train", "--profile", "klein-9b-1024", "--dataset", str(DATASET), "--out", str(tmp_path / "out")]
     assert main(args + ["--models", str(models)]) == 2
     err = capsys.readouterr().err
-    assert "diffusion_models/flux-2-klein-9b.safetensors" in err and "text_encoders/qwen_3_8b_fp8mixed.safetensors" in err
-    assert f"python -m ugpum download flux2-klein-9b --models {models}" in err and "vae/flux2-vae" not in err
+    assert "diffusion_models/flux-2-klein-base-9b.safetensors" in err and "text_encoders/qwen_3_8b_fp8mixed.safetensors" in err
+    assert f"python -m ugpum download flux2-klein-base-9b --models {models}" in err and "vae/flux2-vae" not in err
     assert err.count("\n") == 1 and "Traceback" not in err                       # one sentence
     # an explicit file is named by its flag; the folder fills in the rest
     assert main(args + ["--models", str(models), "--text-encoder", str(tmp_path / "te.safetensors")]) == 2
     err = capsys.readouterr().err
     assert f"--text-encoder {tmp_path / 'te.safetensors'} (no such file)" in err
-    assert "diffusion_models/flux-2-klein-9b.safetensors" in err and "qwen_3_8b" not in err
+    assert "diffusion_models/flux-2-klein-base-9b.safetensors" in err and "qwen_3_8b" not in err
     assert main(args + ["--model", str(tmp_path / "dit.safetensors")]) == 2
     assert "dit.safetensors: no such file" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()                                        # nothing started

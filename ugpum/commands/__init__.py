@@ -35,6 +35,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Block swap moves blocks of many sizes through a GPU every step; with the caching allocator's
+    # default segments, fragments left Wan 14B fp8 on a 16 GiB card 2.5 GiB short
+    # (bench/results/cards.json). Read when CUDA first allocates, so setting it here is in time.
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     args = build_parser().parse_args(argv)
     try:
         return COMMANDS[args.command][1](args)
