@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from bench import cards_refit
+from support import recorded_forecasts as cards_refit
 from ugpum import cost
 from ugpum.arch import get_spec
 from ugpum.plan import GIB, StageCosts
