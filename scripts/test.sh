@@ -3,9 +3,8 @@
 #   tests/unit         no training, no subprocess, no server: seconds
 #   tests/integration  the real CLI in subprocesses, tiny trainings on the CPU
 #   tests/server       a real ComfyUI server, and ComfyUI's frontend in Chromium
-# The integration and server tiers run on three workers (pytest-xdist), a test file to a worker, the
-# longest files first (tests/conftest.py): most of their time is child processes, compilers and servers
-# waiting on each other, which overlap on two cores.
+# The integration and server tiers run on two workers (pytest-xdist), a test file to a worker: most
+# of their time is child processes and servers, which overlap on two cores.
 # Arguments go to both pytest runs (e.g. -x, -k NAME).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,7 +13,7 @@ pytest=(.venv/bin/python -m pytest -q -p no:cacheprovider --durations=20)
 set +e
 "${pytest[@]}" tests/unit "$@"
 unit=$?
-"${pytest[@]}" -n 3 --dist loadfile tests/integration tests/server "$@"
+"${pytest[@]}" -n 2 --dist loadfile tests/integration tests/server "$@"
 rest=$?
 set -e
 for rc in "$unit" "$rest"; do

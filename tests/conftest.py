@@ -28,17 +28,7 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Every test that starts a ComfyUI server carries the `server` marker (`-m "not server"` skips them).
-    Files are then ordered by how many slow or server tests they hold, most first, each file's tests in
-    their own order: the workers of scripts/test.sh take files in this order, so the long ones start
-    first instead of leaving one worker busy at the end."""
+    """Every test that starts a ComfyUI server carries the `server` marker (`-m "not server"` skips them)."""
     for item in items:
         if SERVER_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.server)
-    weight: dict[str, int] = {}
-    first: dict[str, int] = {}
-    for i, item in enumerate(items):
-        path = str(item.path)
-        first.setdefault(path, i)
-        weight[path] = weight.get(path, 0) + any(item.get_closest_marker(m) for m in ("slow", "server"))
-    items.sort(key=lambda item: (-weight[str(item.path)], first[str(item.path)]))
