@@ -32,3 +32,23 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if SERVER_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.server)
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """`tmpfs("4m")`: a real filesystem of that size mounted under the test's folder (a disk that fills);
+    the test is skipped where this machine does not let it mount one. Unmounted after the test."""
+    import subprocess
+    mounted = []
+
+    def mount(size: str) -> Path:
+        point = tmp_path / f"disk{len(mounted)}"
+        point.mkdir()
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(point)], capture_output=True)
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+        mounted.append(point)
+        return point
+    yield mount
+    for point in mounted:
+        subprocess.run(["umount", "-l", str(point)], capture_output=True)

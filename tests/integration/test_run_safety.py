@@ -9,7 +9,6 @@ import json
 import re
 import shutil
 import signal
-import subprocess
 import time
 from pathlib import Path
 
@@ -196,15 +195,9 @@ def test_a_model_file_of_another_family_is_refused_by_name(tmp_path, comfy):
 
 
 @pytest.fixture
-def small_disk(tmp_path):
-    """A real filesystem of 4 MiB (tmpfs); skipped where this machine does not let the test mount one."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)], capture_output=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
-    yield mount
-    subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+def small_disk(tmpfs):
+    """A real filesystem of 4 MiB (tests/conftest.py: tmpfs)."""
+    return tmpfs("4m")
 
 
 def test_a_full_disk_ends_with_a_sentence_and_keeps_the_last_checkpoint(tmp_path, small_disk, reference):

@@ -23,15 +23,9 @@ from ugpum.train.run_lock import LOCK_NAME, RunLock, RunLocked, hold_run_folder
 
 
 @pytest.fixture
-def small_disk(tmp_path):
-    """A real filesystem of 1 MiB (tmpfs); skipped where this machine does not let the test mount one."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
-    yield mount
-    subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+def small_disk(tmpfs):
+    """A real filesystem of 1 MiB (tests/conftest.py: tmpfs)."""
+    return tmpfs("1m")
 
 
 def a_lora(rank: int = 4, width: int = 64):
