@@ -416,7 +416,8 @@ def test_one_loop_drives_both_engines_compile_and_8bit_included(tmp_path):
     assert "error: base_compute=fp8 needs an NVIDIA GPU" in said
     assert f'File "{ROOT / "ugpum"}' not in said                   # a sentence, not our traceback (torchrun adds its own)
     assert not (tmp_path / "fp8" / "metrics.jsonl").exists()
-    compiled = torchrun(2, *args, "--out", str(tmp_path / "compiled"), "--compile", "on")
+    # (base_compute = auto: the plan's choice, bf16 on the CPU, as one process resolves it)
+    compiled = torchrun(2, *args, "--out", str(tmp_path / "compiled"), "--compile", "on", "--base-compute", "auto")
     assert "compile=on:" in compiled.stdout + compiled.stderr
     reference = single_process(tmp_path / "one", *args)
     assert_same_lora(reference, tmp_path / "compiled" / "ugpum_lora.safetensors", tolerance=1e-4)

@@ -49,7 +49,7 @@ from ..schedules import rank_stages, schedule_kind, stages_per_rank
 from ..train.checkpoint import load_checkpoint
 from ..train.config import TrainConfig
 from ..train.errors import TrainingError
-from ..train.prepare import make_trainable, quantiser
+from ..train.prepare import make_trainable, quantiser, with_planned_base_compute
 from ..train.run_folder import save_run
 from .forecast import distributed_plan
 from .schedule_run import GradientsInOrder, clip_pipeline, run_schedule
@@ -120,7 +120,7 @@ class PipelineStepper:
         if cfg.grad_accum % top.replicas:
             raise TrainingError(f"grad_accum {cfg.grad_accum} does not divide into {top.replicas} replicas: each "
                                 "replica runs grad_accum / R micro-batches of the step's global batch")
-        if cfg.base_compute != "bf16":                      # before any data is read or weight loaded
+        if cfg.base_compute not in ("bf16", "auto"):        # before any data is read or weight loaded
             check_devices(cfg.base_compute, [top.device])
         self.make_encoders = make_encoders
         self.lead = top.rank == 0
@@ -161,6 +161,7 @@ class PipelineStepper:
         """This rank's share of the model (streamed from its file), trainable as in one process (8-bit
         base, in-place guard, compiled, checkpointed), with its stages' LoRA."""
         top = self.top
+        cfg = with_planned_base_compute(cfg, plan)
         self.cfg, self.spec = cfg, spec
         self.ranges = ranges = stage_ranges([tuple(s.blocks) for s in plan.stages])
         mine = [ranges[s] for s in top.stage_ids]

@@ -77,11 +77,15 @@ def make_trainable(cfg: TrainConfig, spec, model, block_paths: list[str], quanti
     return undo
 
 
+def with_planned_base_compute(cfg: TrainConfig, plan: Plan) -> TrainConfig:
+    """`cfg` with base_compute = auto replaced by what the plan chose (ugpum.plan.choose_base_compute)."""
+    return dataclasses.replace(cfg, base_compute=plan.base_compute) if cfg.base_compute == "auto" else cfg
+
+
 def prepare_model(cfg: TrainConfig, spec, plan: Plan, model, key_prefix: str = "", log=print):
     """Place the DiT by the plan (streaming it from its file when built on meta), attach the LoRA and
     make it trainable. Returns (model, lora, layout, release)."""
-    if cfg.base_compute == "auto":                # what the plan chose (ugpum.plan.choose_base_compute)
-        cfg = dataclasses.replace(cfg, base_compute=plan.base_compute)
+    cfg = with_planned_base_compute(cfg, plan)
     on_meta = any(p.is_meta for p in model.parameters())     # streamed from its file: dropped after
     if cfg.base_compute != "bf16" and plan.offloaded_blocks and not on_meta:
         raise TrainingError(f"base_compute = {cfg.base_compute} with block swap quantises each layer as it streams "
