@@ -52,3 +52,13 @@ def tmpfs(tmp_path):
     yield mount
     for point in mounted:
         subprocess.run(["umount", "-l", str(point)], capture_output=True)
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny tensors: intra-op threads only add contention (seconds per test on a busy machine)."""
+    import torch
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

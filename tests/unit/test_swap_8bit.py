@@ -18,12 +18,7 @@ from support import comfy_models as cm
 CUDA = torch.cuda.is_available()
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")     # (tests/conftest.py)
 
 
 def _tiny_file(tmp_path):
