@@ -45,7 +45,10 @@ def run_train_distributed(args, cfg: TrainConfig, out: str, files, build_model, 
         result = run_distributed_training(cfg, out, files, build_model, build_encoders, data_parallel=args.data_parallel,
                                           resume=bool(args.resume), overwrite=getattr(args, "overwrite", False))
     except DistributedStop as stop:
-        print(str(stop), file=sys.stderr, flush=True)
+        # One write per line: the ranks share torchrun's stderr, and print's separate newline let
+        # two ranks' sentences run together on one line.
+        sys.stderr.write(f"{stop}\n")
+        sys.stderr.flush()
         return 128 + stop.signum
     if result.lora_path is not None:
         print(f"LoRA: {result.lora_path}")
