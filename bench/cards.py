@@ -117,7 +117,7 @@ def write_config(path: Path, a) -> None:
     lines = [f'model = "{spec.id}"', f"resolution = {a.resolution}", f"frames = {a.frames}", f"steps = {a.steps}",
              f"rank = {a.rank}", f"alpha = {float(a.rank)}", f'weight_dtype = "{a.weight_dtype}"',
              "sample_every = 0", f'compile = "{a.compile}"', f'base_compute = "{a.base_compute}"', "lr = 1e-4",
-             'devices = ["auto"]', "stand_in_encoders = true", f"checkpointing = {a.checkpointing}"]
+             'devices = ["auto"]', "stand_in_encoders = true", f'recompute = "{a.recompute}"']
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -132,7 +132,8 @@ def main(argv=None) -> int:
     p.add_argument("--frames", type=int, default=1)
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--compile", default="on", choices=["auto", "on", "off"])
-    p.add_argument("--checkpointing", default="true", choices=["true", "false"], help="per-block checkpointing")
+    p.add_argument("--recompute", default="all", choices=["auto", "all", "none"],
+                   help="blocks recomputed in backward (all: per-block checkpointing on every block)")
     p.add_argument("--dataset", default=str(ROOT / "demo_datasets" / "loranne"))
     p.add_argument("--rows", required=True, help="JSON lines file the case's row is appended to")
     p.add_argument("--work", required=True, help="a scratch folder for the run's config and output")

@@ -44,7 +44,7 @@ for s in $sections; do
     run_case klein-8-fp8 --model-file $k9 --base-compute auto --card-gib 8 --steps 20 ;;
   nockpt) [ -f $k9 ] || { step "klein 9B write"; timeout 150 python3 bench/place_train.py write --model flux2-klein-9b --path $k9 >> "$log" 2>&1; }
     # issue 23: compiled blocks without per-block checkpointing (crashed in backward before the fix)
-    run_case klein-bf16-compiled-no-checkpointing --model-file $k9 --base-compute bf16 --checkpointing false --steps 8
+    run_case klein-bf16-compiled-no-checkpointing --model-file $k9 --base-compute bf16 --recompute none --steps 8
     run_case klein-bf16-compiled-checkpointing --model-file $k9 --base-compute bf16 --steps 8 ;;
   wan) [ -f $w14 ] || { step "Wan 14B write"; timeout 200 python3 bench/place_train.py write --model wan2.1-14b --path $w14 >> "$log" 2>&1; }
     run_case wan-16-fp8 --model-file $w14 --base-compute fp8 --card-gib 16 --steps 6 --resolution 640 --frames 17 \

@@ -87,7 +87,7 @@ class Bench:
         self.dev = "cuda:0" if torch.cuda.is_available() else "cpu"    # cpu: a smoke run only
         self.spec = get_spec(args.model)
         self.w = Workload(width=args.resolution, height=args.resolution, frames=args.frames,
-                          checkpointing=args.checkpointing == "block", rank=16)
+                          recompute="all" if args.checkpointing == "block" else "none", rank=16)
         self.model = random_model(self.spec, self.dev)
         paths = [b.path for b in self.spec.blocks]
         targets = lora_targets(paths, [b.linears for b in self.spec.blocks])
@@ -98,7 +98,7 @@ class Bench:
                 a.B.normal_(0.0, 1e-3)
         guard_inplace_residuals(self.model, include_rms=False)
         compile_blocks(self.model, paths, args.compile)      # before checkpointing wraps the forwards
-        if self.w.checkpointing:
+        if self.w.recompute == "all":
             checkpoint_blocks(self.model, paths)
         cut = args.cut or len(paths) // 2
         self.layout = Layout({p: self.dev for p in paths}, self.dev, self.dev, self.spec.tail_modules,

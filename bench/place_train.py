@@ -162,7 +162,7 @@ def run(args) -> dict:
     for checkpointing in cases:
         width, height = args.resolution
         w = Workload(width=width, height=height, frames=args.frames,
-                     checkpointing=checkpointing, rank=args.rank,
+                     recompute="all" if checkpointing else "none", rank=args.rank,
                      weight_dtype="bf16" if weight_dtype == "fp32" else weight_dtype)
         name = (f"{spec.id} {width}x{height} x{args.frames} frames, {weight_dtype} weights, rank {args.rank}, "
                 f"checkpointing {'block' if checkpointing else 'none'}"

@@ -230,7 +230,7 @@ def run_swap_bench(args) -> int:
         if found.id != spec.id and not spec.id.startswith("tiny"):
             raise ValueError(f"{ckpt} holds {found.id}, not {spec.id}")
         w = Workload(width=args.resolution, height=args.resolution, frames=args.frames,
-                     text_tokens=args.text_tokens, checkpointing=True, rank=args.rank)
+                     text_tokens=args.text_tokens, recompute="all", rank=args.rank)
         real = real_device(args.device)
         real = dataclasses.replace(real, torch_device=args.device)
         capped = capped_device(real, args.cap_gib)

@@ -159,7 +159,7 @@ def selected_runs(args) -> list[Run]:
 def workload(args):
     from ugpum.arch import Workload
     return Workload(width=args.resolution, height=args.resolution, frames=args.frames,
-                    text_tokens=args.text_tokens, checkpointing=True, rank=args.rank)
+                    text_tokens=args.text_tokens, recompute="all", rank=args.rank)
 
 
 def logical_devices(run: Run) -> tuple[list, list]:

@@ -62,7 +62,8 @@ def user_message(exc: BaseException, file_name: str | None = None) -> str | None
     if isinstance(exc, _optional("torch", "OutOfMemoryError")):
         first = str(exc).splitlines()[0] if str(exc) else "out of memory"
         return _sentence(f"A GPU ran out of memory ({first[:200]}); lower the resolution, batch or "
-                         "LoRA rank, turn on checkpointing, or add a GPU, then run the Partition Planner again")
+                         "LoRA rank, set recompute = all on the Partition Planner, or add a GPU, then run the "
+                         "Partition Planner again")
     if isinstance(exc, _optional("ugpum.train.dataset", "DatasetError")
                   + _optional("ugpum.formats.lora_file", "LoraFileError")
                   + _optional("ugpum.train.loop", "TrainingError")):

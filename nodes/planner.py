@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from comfy_api.latest import io, ui
 
+from ugpum.arch.base import RECOMPUTE_SETTINGS
 from ugpum.base_compute import SETTINGS as BASE_COMPUTE_SETTINGS
 from ugpum.devices import resolve_devices
 from ugpum.dtypes import training_dtype
@@ -15,16 +16,16 @@ from .errors import UGPUMError, user_errors
 from .types import UGPUM_MODEL, UGPUM_PLAN, UGPUMModel, UGPUMPlan
 
 NODE = "Partition Planner"
-CHECKPOINTING = ["block", "none"]
+RECOMPUTE_CHOICES = list(RECOMPUTE_SETTINGS)
 SCHEDULE_CHOICES = list(SCHEDULE_SETTINGS)
 
 
 def planning_config(model: UGPUMModel, resolution: int, batch: int, grad_accum: int, rank: int,
-                    checkpointing: str, frames: int, schedule: str, base_compute: str = "bf16"):
+                    recompute: str, frames: int, schedule: str, base_compute: str = "bf16"):
     """The TrainConfig of the settings the plan depends on (the Trainer adds the rest to it)."""
     return load_config(overrides=dict(
         model=model.model_id, model_file=model.path, resolution=resolution, frames=frames, batch=batch,
-        grad_accum=grad_accum, rank=rank, alpha=float(rank), checkpointing=checkpointing == "block",
+        grad_accum=grad_accum, rank=rank, alpha=float(rank), recompute=recompute,
         weight_dtype=training_dtype(model.weight_dtype), devices=list(model.devices), schedule=schedule,
         base_compute=base_compute))
 
@@ -70,9 +71,12 @@ class PartitionPlanner(io.ComfyNode):
                                      "pipelined, so more micro-batches keep every GPU busy."),
                 io.Int.Input("rank", default=16, min=1, max=256, display_name="LoRA rank",
                              tooltip="LoRA rank (the trainer uses this value)."),
-                io.Combo.Input("checkpointing", options=CHECKPOINTING, default="block",
-                               tooltip="'block' recomputes each block in backward: much less memory, "
-                                       "about 45% more compute."),
+                io.Combo.Input("recompute", options=RECOMPUTE_CHOICES, default="auto",
+                               tooltip="Blocks whose forward is recomputed in backward (per-block checkpointing): "
+                                       "auto keeps the activations of as many blocks as the memory left after the "
+                                       "weights holds, recomputing the rest; all recomputes every block (the least "
+                                       "memory, about 45% more compute); none recomputes nothing (the most memory). "
+                                       "The report says how many blocks keep their activations."),
                 io.Int.Input("frames", default=1, min=1, max=257, optional=True,
                              tooltip="Video frames per clip, taken from each clip's start (Wan only: "
                                      "4k+1 such as 17 or 33; 1 trains images). The forecast covers them. "
@@ -98,12 +102,12 @@ class PartitionPlanner(io.ComfyNode):
 
     @classmethod
     def execute(cls, model: UGPUMModel, resolution: int, batch: int, grad_accum: int, rank: int,
-                checkpointing: str, frames: int = 1, schedule: str = "auto", manual_split: str = "",
+                recompute: str, frames: int = 1, schedule: str = "auto", manual_split: str = "",
                 base_compute: str = "bf16") -> io.NodeOutput:
         if model.spec.frames_error(frames):
             raise UGPUMError(f"{NODE}: frames {frames}: {model.spec.frames_error(frames)}.")
         with user_errors(NODE):
-            config = planning_config(model, resolution, batch, grad_accum, rank, checkpointing, frames, schedule,
+            config = planning_config(model, resolution, batch, grad_accum, rank, recompute, frames, schedule,
                                      base_compute)
             devices = resolve_devices(config.devices, model.spec)
             split = parse_split(manual_split or "", len(devices), len(model.spec.blocks))

@@ -1,4 +1,5 @@
-"""Seconds and bytes per block for one training micro-batch: the planner's cost model (DESIGN §5)."""
+"""Seconds and bytes per block for one training micro-batch: the planner's cost model (DESIGN §5). Each
+block's cost depends on whether it is recomputed in backward (`recomputed`: the planner's choice per block)."""
 from __future__ import annotations
 
 from .arch.base import ACT_BYTES, WEIGHT_BYTES, ArchSpec, BlockSpec, Workload
@@ -50,29 +51,35 @@ def block_flops_split(spec: ArchSpec, block: BlockSpec, w: Workload) -> tuple[fl
     return spec.block_flops(block, w) - attention, attention
 
 
-def block_train_flops_split(spec: ArchSpec, block: BlockSpec, w: Workload) -> tuple[float, float]:
-    """(dense, attention) FLOPs of one block's forward + backward (+ recompute under checkpointing)."""
+def block_train_flops_split(spec: ArchSpec, block: BlockSpec, w: Workload,
+                            recomputed: bool) -> tuple[float, float]:
+    """(dense, attention) FLOPs of one block's forward + backward (+ its forward again when `recomputed`)."""
     dense, attention = block_flops_split(spec, block, w)
-    passes = 1 if w.checkpointing else 0
+    passes = 1 if recomputed else 0
     return dense * (1 + DENSE_BACKWARD + passes), attention * (1 + ATTENTION_BACKWARD + passes)
 
 
-def block_train_flops(spec: ArchSpec, block: BlockSpec, w: Workload) -> float:
-    """Forward + backward (+ recompute under checkpointing) FLOPs of one block."""
-    return sum(block_train_flops_split(spec, block, w))
+def block_train_flops(spec: ArchSpec, block: BlockSpec, w: Workload, recomputed: bool) -> float:
+    """Forward + backward (+ recompute) FLOPs of one block."""
+    return sum(block_train_flops_split(spec, block, w, recomputed))
 
 
-def block_seconds(spec: ArchSpec, block: BlockSpec, w: Workload, tflops: float) -> float:
+def block_seconds(spec: ArchSpec, block: BlockSpec, w: Workload, tflops: float, recomputed: bool) -> float:
     """One block's training time on a device of `tflops` (bf16 matmul rate), in the workload's mode."""
-    dense, attention = block_train_flops_split(spec, block, w)
+    dense, attention = block_train_flops_split(spec, block, w, recomputed)
     efficiency = COMPILED_EFFICIENCY if w.compiled else BLOCK_EFFICIENCY
     dense_speed = BASE_DENSE_SPEED[(w.base_compute, w.compiled)]
     return (dense / dense_speed + attention) / (tflops * 1e12 * efficiency)
 
 
-def forward_share(w: Workload) -> float:
+def recompute_seconds(spec: ArchSpec, block: BlockSpec, w: Workload, tflops: float) -> float:
+    """What recomputing one block's forward in backward costs: what keeping its activations saves."""
+    return block_seconds(spec, block, w, tflops, True) - block_seconds(spec, block, w, tflops, False)
+
+
+def forward_share(recomputed: bool) -> float:
     """Fraction of a block's training time spent in its first forward (what prefetch can hide behind)."""
-    return 1 / (4.5 if w.checkpointing else 3.5)
+    return 1 / (4.5 if recomputed else 3.5)
 
 
 def block_weight_bytes(block: BlockSpec, w: Workload) -> int:
@@ -101,20 +108,25 @@ def eight_bit_work_bytes(spec: ArchSpec, w: Workload) -> float:
     return EIGHT_BIT_FFN_WORK * w.batch * spec.image_tokens(w) * spec.ffn
 
 
-def block_activation_bytes(spec: ArchSpec, block: BlockSpec, w: Workload) -> float:
-    """Bytes a block keeps alive from its forward until its backward."""
-    if w.checkpointing:
-        return spec.boundary_bytes(w)                     # only the block's input is kept
+def full_activation_bytes(spec: ArchSpec, block: BlockSpec, w: Workload) -> float:
+    """Bytes a block's forward saves for its backward (with the cast weight copies it makes)."""
     return spec.saved_units(block) * spec.boundary_bytes(w) + cast_copy_bytes(block, w)
 
 
-def block_peak_extra_bytes(spec: ArchSpec, block: BlockSpec, w: Workload) -> float:
+def block_activation_bytes(spec: ArchSpec, block: BlockSpec, w: Workload, recomputed: bool) -> float:
+    """Bytes a block keeps alive from its forward until its backward."""
+    if recomputed:
+        return spec.boundary_bytes(w)                     # only the block's input is kept
+    return full_activation_bytes(spec, block, w)
+
+
+def block_peak_extra_bytes(spec: ArchSpec, block: BlockSpec, w: Workload, recomputed: bool) -> float:
     """Working memory on top of what is kept, while the block is recomputed and runs backward."""
     work = eight_bit_work_bytes(spec, w)
-    if not w.checkpointing:
+    if not recomputed:
         return work
     # the cast weight copies are freed as backward goes, like the activations
-    return work + RECOMPUTE_PEAK_SHARE * (spec.saved_units(block) * spec.boundary_bytes(w) + cast_copy_bytes(block, w))
+    return work + RECOMPUTE_PEAK_SHARE * full_activation_bytes(spec, block, w)
 
 
 def lora_bytes(block: BlockSpec, w: Workload) -> int:

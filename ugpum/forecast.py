@@ -31,7 +31,7 @@ def format_plan(plan: Plan) -> str:
     clip = f", {w['frames']} frames ({latent_frames(w['frames'])} latent)" if w["frames"] > 1 else ""
     lines = [f"{plan.model}  {w['width']}x{w['height']}{clip}"
              + f"  batch {w['batch']}  grad-accum {plan.grad_accum}  rank {w['rank']}  {w['weight_dtype']}"
-             + f"  checkpointing {'block' if w['checkpointing'] else 'none'}"
+             + f"  recompute {w.get('recompute', 'all')}"
              + f"  {'compiled' if w.get('compiled') else 'eager'}  base compute {w.get('base_compute', 'bf16')}", ""]
     header = f"{'device':<24} {'blocks':<44} {'swapped':>7} {'forecast / budget GiB':>22} {'s/micro-batch':>13}"
     lines += [header, "-" * len(header)]
@@ -52,7 +52,7 @@ def format_plan(plan: Plan) -> str:
     if plan.grad_accum > 1:
         lines.append(f"micro-batch schedule: {plan.schedule} ({plan.in_flight} micro-batch"
                      f"{'es' if plan.in_flight > 1 else ''} of activations held per stage)")
-    lines += [speed_line(plan), "", plan.verdict, *alternatives_text(plan)]
+    lines += [speed_line(plan), recompute_line(plan), "", plan.verdict, *alternatives_text(plan)]
     from .text_encoder_split import forecast_line
     text_encoder = forecast_line(plan)
     if text_encoder:
@@ -80,6 +80,18 @@ def speed_line(plan: Plan) -> str:
         return ("CPU run: no step-time forecast (the planner forecasts GPUs; on the CPU only the tiny test "
                 "models train, in seconds)")
     return f"predicted: {plan.predicted_step_s:.2f} s/step ({assumptions(plan)})"
+
+
+def recompute_line(plan: Plan) -> str:
+    """Which blocks keep their activations (are not recomputed in backward), what that holds and saves."""
+    n = sum(s.blocks[1] - s.blocks[0] for s in plan.stages)
+    kept, gib = len(plan.kept_activations), sum(s.kept_gib for s in plan.stages)
+    if kept == 0:
+        return f"recompute {plan.recompute}: every block recomputed in backward"
+    saved = "" if is_cpu_run(plan) else f", {plan.recompute_saved_s:.2f} s/step saved"
+    if plan.recompute == "none":
+        return f"recompute none: every block keeps its activations (+{gib:.1f} GiB against recomputing them{saved})"
+    return f"recompute {plan.recompute}: {kept} of {n} blocks keep their activations (+{gib:.1f} GiB){saved}"
 
 
 def plan_for_config(cfg, devices: list[Device] | None = None, split: list[int] | None = None,

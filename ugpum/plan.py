@@ -35,6 +35,8 @@ class Stage:
     budget_gib: float
     seconds: float              # per micro-batch, forward + backward
     detail_gib: dict[str, float] = field(default_factory=dict)
+    kept_activations: list[int] = field(default_factory=list)   # blocks not recomputed in backward
+    kept_gib: float = 0.0       # what keeping them holds beyond recomputing every block
 
 
 @dataclass
@@ -57,9 +59,16 @@ class Plan:
     base_compute: str = "bf16"          # the frozen base's matmuls this plan was made for (auto resolved)
     base_compute_note: str = ""         # why, when base_compute = auto chose
     alternatives: list[dict] = field(default_factory=list)   # 8-bit plans shown when bf16 needs swap
+    recompute: str = "all"              # the setting this plan was made for (ugpum.arch.base.RECOMPUTE_SETTINGS)
+    recompute_saved_s: float = 0.0      # seconds per step the kept activations save against recompute all
+
+    @property
+    def kept_activations(self) -> list[int]:
+        """Every block that keeps its activations (is not recomputed in backward), over all stages."""
+        return [i for s in self.stages for i in s.kept_activations]
 
     def to_json(self) -> dict:
-        return dataclasses.asdict(self)
+        return dict(dataclasses.asdict(self), kept_activations=self.kept_activations)
 
 
 def budget_bytes(device: Device) -> float:
@@ -75,8 +84,15 @@ class StageCosts:
         self.hidden = spec.boundary_bytes(w)
         self.weight = [cost.block_weight_bytes(b, w) for b in spec.blocks]
         self.lora = [cost.lora_bytes(b, w) for b in spec.blocks]
-        self.kept = [cost.block_activation_bytes(spec, b, w) for b in spec.blocks]
-        self.extra = [cost.block_peak_extra_bytes(spec, b, w) for b in spec.blocks]
+        # per block, indexed by whether it is recomputed in backward (False: it keeps its activations)
+        self.kept = {r: [cost.block_activation_bytes(spec, b, w, r) for b in spec.blocks] for r in (False, True)}
+        self.extra = {r: [cost.block_peak_extra_bytes(spec, b, w, r) for b in spec.blocks] for r in (False, True)}
+        # recompute = auto keeps the largest savings first (the same order on every device: seconds scale
+        # with 1 / its rate), among equal savings (FLUX.2's double and single blocks) the fewest bytes first
+        saving = [cost.recompute_seconds(spec, b, w, 1.0) for b in spec.blocks]
+        top = max(saving, default=1.0) or 1.0
+        self.keep_order = sorted(range(len(spec.blocks)), key=lambda i: (
+            -round(saving[i] / top, 9), self.kept[False][i] - self.kept[True][i], i))
         # embedders and modulations are held like the blocks (1 byte each in fp8 weights), except under the
         # 8-bit base, which quantises only the blocks' Linears: the rest stays as loaded (bf16 counted)
         outside = ACT_BYTES if w.base_compute in cost.EIGHT_BIT_MODES else WEIGHT_BYTES[w.weight_dtype]
@@ -84,38 +100,83 @@ class StageCosts:
         self.tail = spec.tail_params * outside
         self.stage = lru_cache(maxsize=None)(self._stage)
 
-    def _memory(self, k: int, a: int, b: int, offloaded: tuple[int, ...]) -> dict[str, float]:
+    def fixed_kept(self, a: int, b: int) -> tuple[int, ...]:
+        """The blocks of [a, b) that keep their activations before auto chooses any: every one under
+        recompute = none (swapped ones too: ugpum.swap rebuilds their saved tensors), else none."""
+        return tuple(range(a, b)) if self.w.recompute == "none" else ()
+
+    def _memory(self, k: int, a: int, b: int, offloaded: tuple[int, ...],
+                kept: tuple[int, ...] | None = None) -> dict[str, float]:
+        """Stage k's memory for blocks [a, b), `offloaded` streamed, `kept` keeping their activations
+        (None: `fixed_kept`)."""
         first, last = k == 0, k == len(self.devices) - 1
         resident = [i for i in range(a, b) if i not in offloaded]
+        kept = self.fixed_kept(a, b) if kept is None else kept
         mem = {
             "weights": sum(self.weight[i] for i in resident)
             + (self.head if first else 0) + (self.tail if last else 0),
             "swap_slots": 2 * max((self.weight[i] for i in offloaded), default=0),
             "lora": sum(self.lora[a:b]),
-            "activations": self.in_flight * sum(self.kept[a:b]) + max(self.extra[a:b], default=0)
+            "activations": self.in_flight * sum(self._each(self.kept, kept, a, b))
+            + max(self._each(self.extra, kept, a, b), default=0)
             + (self.spec.shared_input_bytes(self.w) + 2 * self.hidden if b > a or first or last else 0),
         }
         return mem
 
+    @staticmethod
+    def _each(by_choice: dict, kept: tuple[int, ...], a: int, b: int) -> list[float]:
+        """Per block of [a, b): its value of `by_choice` (indexed by recomputed) under its choice;
+        `kept` holds blocks of [a, b) only."""
+        if len(kept) in (0, b - a):                    # (all one way: the common case, kept fast)
+            return by_choice[not kept][a:b]
+        keep = set(kept)
+        return [by_choice[i not in keep][i] for i in range(a, b)]
+
     def _stage(self, k: int, a: int, b: int):
-        """(seconds, memory dict, offloaded) or None if the range cannot fit on device k."""
-        dev = self.devices[k]
-        budget = budget_bytes(dev)
+        """(seconds, memory dict, offloaded, kept) or None if the range cannot fit on device k."""
+        budget = budget_bytes(self.devices[k])
+        # a swap set changes only the resident weights and the two slots (`_memory`): counted as such
+        unswapped = sum(self._memory(k, a, b, ()).values())
         fits = None
         for offloaded in self._swap_choices(a, b):
-            mem = self._memory(k, a, b, offloaded)
-            if sum(mem.values()) <= budget:
+            swapped = [self.weight[i] for i in offloaded]
+            if unswapped - sum(swapped) + 2 * max(swapped, default=0) <= budget:
                 fits = offloaded
                 break
         if fits is None:
             return None
         offloaded = fits
-        compute = sum(cost.block_seconds(self.spec, self.spec.blocks[i], self.w, dev.tflops_bf16)
-                      for i in range(a, b))
+        # The order is deliberate: the swap set above is the smallest that fits with every block
+        # recomputed (a swapped block costs its bytes over the host link twice a step, far more than a
+        # recomputed forward), and only the memory then left over keeps activations (auto).
+        kept = self._keep_what_fits(k, a, b, offloaded, budget) if self.w.recompute == "auto" else self.fixed_kept(a, b)
+        return self.seconds(k, a, b, offloaded, kept), self._memory(k, a, b, offloaded, kept), offloaded, kept
+
+    def seconds(self, k: int, a: int, b: int, offloaded: tuple[int, ...], kept: tuple[int, ...]) -> float:
+        """Stage k's seconds per micro-batch: its blocks' compute (a kept block skips its recompute) plus
+        the swap copies that compute cannot hide (forward and backward each hide one copy's worth)."""
+        dev = self.devices[k]
+        each = [(cost.block_seconds(self.spec, self.spec.blocks[i], self.w, dev.tflops_bf16, i not in kept),
+                 cost.forward_share(i not in kept)) for i in range(a, b)]
+        compute = sum(s for s, _ in each)
+        forward = sum(s * share for s, share in each)
         transfer = sum(self.weight[i] for i in offloaded) / (dev.host_gbps * 1e9)
-        share = cost.forward_share(self.w)
-        exposed = max(0.0, transfer - compute * share) + max(0.0, transfer - compute * (1 - share))
-        return compute + exposed, mem, offloaded
+        return compute + max(0.0, transfer - forward) + max(0.0, transfer - (compute - forward))
+
+    def _keep_what_fits(self, k: int, a: int, b: int, offloaded: tuple[int, ...], budget: float) -> tuple[int, ...]:
+        """recompute = auto: the resident blocks of [a, b) whose activations the budget still holds, at
+        `in_flight` micro-batches each, the largest saving first (`keep_order`); a block that does not
+        fit is passed over for smaller ones after it. Swapped blocks are always recomputed."""
+        resident = tuple(i for i in range(a, b) if i not in offloaded)
+        if sum(self._memory(k, a, b, offloaded, resident).values()) <= budget:
+            return resident                              # (a large budget: no need to choose)
+        kept: list[int] = []
+        for i in self.keep_order:
+            if a <= i < b and i not in offloaded:
+                trial = tuple(sorted(kept + [i]))
+                if sum(self._memory(k, a, b, offloaded, trial).values()) <= budget:
+                    kept = list(trial)
+        return tuple(kept)
 
     def _swap_choices(self, a: int, b: int):
         """Sets of blocks of [a, b) to stream from host memory, to try in this order. The GPU keeps two
@@ -143,7 +204,7 @@ class StageCosts:
         r = self.stage(k, a, b)
         if r is None:
             return None
-        seconds, mem, offloaded = r
+        seconds, mem, offloaded, _ = r
         return (seconds, sum(self.weight[i] for i in offloaded),
                 sum(mem.values()) / max(budget_bytes(self.devices[k]), 1))
 
@@ -220,22 +281,27 @@ def _solve(spec: ArchSpec, devices: list[Device], w: Workload, grad_accum: int, 
     cuts = manual_cuts(ev, split) if split else best_split(ev)
     if cuts is None:
         return None
-    stages = []
+    stages, all_recomputed = [], []
     for k, dev in enumerate(devices):
         a, b = cuts[k], cuts[k + 1]
-        seconds, mem, offloaded = ev.stage(k, a, b)
+        seconds, mem, offloaded, kept = ev.stage(k, a, b)
+        kept_bytes = sum(mem.values()) - sum(ev._memory(k, a, b, offloaded, ()).values())
         stages.append(Stage(dev.label, dev.torch_device, [a, b], list(offloaded),
                             round(sum(mem.values()) / GIB, 3), round(budget_bytes(dev) / GIB, 3),
-                            seconds, {key: round(v / GIB, 3) for key, v in mem.items()}))
+                            seconds, {key: round(v / GIB, 3) for key, v in mem.items()}, list(kept),
+                            round(kept_bytes / GIB, 3)))
+        all_recomputed.append(dataclasses.replace(stages[-1], seconds=ev.seconds(k, a, b, offloaded, ())))
     step_s, crossings, shared = _step_times(ev, stages)
     offloaded = [i for s in stages for i in s.offloaded]
     per_mb_crossing = crossings * 2 * ev.hidden
     m = min(max(grad_accum, 1), MAX_MICRO_BATCHES)
     predicted = min(step_s["sequential"][m - 1], step_s["pipelined"][m - 1])
+    recomputing, _, _ = _step_times(ev, all_recomputed)
     return dict(stages=stages, offloaded_blocks=offloaded, boundary_mib=round(ev.hidden / MIB, 2),
                 crossing_bytes_per_step=per_mb_crossing * grad_accum + shared,
                 swap_bytes_per_step=2 * sum(ev.weight[i] for i in offloaded) * grad_accum,
-                step_s=step_s, predicted_step_s=predicted)
+                step_s=step_s, predicted_step_s=predicted, recompute=w.recompute,
+                recompute_saved_s=min(recomputing["sequential"][m - 1], recomputing["pipelined"][m - 1]) - predicted)
 
 
 def make_plan(spec: ArchSpec, devices: list[Device], w: Workload, grad_accum: int = 1,
@@ -256,7 +322,9 @@ def make_plan(spec: ArchSpec, devices: list[Device], w: Workload, grad_accum: in
                     "forecast_gib": one["stages"][0].forecast_gib,
                     "predicted_step_s": one["predicted_step_s"],
                     "swap_bytes_per_step": one["swap_bytes_per_step"]}
-    plan = Plan(model=spec.id, workload=dataclasses.asdict(w), grad_accum=grad_accum,
+    # (the workload's "checkpointing": the older switch, for readers of plan.json from before recompute)
+    workload = dict(dataclasses.asdict(w), checkpointing=w.recompute != "none")
+    plan = Plan(model=spec.id, workload=workload, grad_accum=grad_accum,
                 block_paths=[b.path for b in spec.blocks], swap_forecast=swap, verdict="",
                 base_compute=w.base_compute, **solved)
     plan.verdict = verdict(plan, devices)
@@ -423,9 +491,9 @@ def _explain_failure(spec, devices, w, grad_accum, in_flight) -> str:
     if w.weight_dtype != "fp8":
         variants.append((f"fp8 weights ({setting('weight_dtype', 'fp8')})", dataclasses.replace(w, weight_dtype="fp8"),
                          devices))
-    if not w.checkpointing:
-        variants.append((f"per-block checkpointing ({setting('checkpointing', True)})",
-                         dataclasses.replace(w, checkpointing=True), devices))
+    if w.recompute == "none":                   # (auto recomputes every block before it would not fit)
+        variants.append((f"every block recomputed in backward ({setting('recompute', 'all')})",
+                         dataclasses.replace(w, recompute="all"), devices))
     for res in (768, 512):
         if res < max(w.width, w.height):
             variants.append((f"resolution {res} ({setting('resolution', res)})",
@@ -473,11 +541,11 @@ def _what_would_fit(spec, devices, w, grad_accum, in_flight) -> str:
     gib = smallest_gib(w)
     if gib is not None:
         return f"Nothing simple would fit: {gpus(gib)} would ({flag(gib)})."
-    lean = dataclasses.replace(w, weight_dtype="fp8", checkpointing=True, batch=1,
+    lean = dataclasses.replace(w, weight_dtype="fp8", recompute="all", batch=1,     # (auto fits where all does)
                                width=min(w.width, 512), height=min(w.height, 512))
     changes = [text for text, changed in (
         (f"fp8 weights ({setting('weight_dtype', 'fp8')})", w.weight_dtype != "fp8"),
-        (f"per-block checkpointing ({setting('checkpointing', True)})", not w.checkpointing),
+        (f"every block recomputed in backward ({setting('recompute', 'all')})", w.recompute == "none"),
         (f"batch 1 ({setting('batch', 1)})", w.batch > 1),
         (f"resolution 512 ({setting('resolution', 512)})", max(w.width, w.height) > 512)) if changed]
     gib = smallest_gib(lean) if changes else None

@@ -22,20 +22,20 @@ def setting(name: str, value: object = None) -> str:
 
 # name -> flag, for each verb (a setting a verb has no flag for is worded as its --config key)
 _FLAGS = {
-    "plan": {"weight_dtype": "--dtype", "checkpointing": "--checkpointing", "batch": "--batch",
+    "plan": {"weight_dtype": "--dtype", "recompute": "--recompute", "batch": "--batch",
              "resolution": "--resolution", "gpu": "--gpu", "base_compute": "--base-compute", "rank": "--rank",
              "grad_accum": "--grad-accum", "frames": "--frames", "schedule": "--schedule"},
     "train": {"batch": "--batch", "base_compute": "--base-compute", "grad_accum": "--grad-accum",
               "frames": "--frames", "schedule": "--schedule", "steps": "--steps", "compile": "--compile",
               "devices": "--devices"},
 }
-# the values a flag takes where they differ from the setting's (checkpointing = true is --checkpointing block)
-_FLAG_VALUES = {("checkpointing", "true"): "block", ("checkpointing", "false"): "none"}
+# the values a flag takes where they differ from the setting's (none differ at present)
+_FLAG_VALUES: dict[tuple[str, str], str] = {}
 # name -> (input, node)
 _NODE_INPUTS = {"weight_dtype": ("weight_dtype", "UGPUM Loader"), "devices": ("devices", "UGPUM Loader"),
                 "gpu": ("devices", "UGPUM Loader"), "resolution": ("resolution", "Partition Planner"),
                 "batch": ("batch", "Partition Planner"), "grad_accum": ("gradient accumulation", "Partition Planner"),
-                "rank": ("LoRA rank", "Partition Planner"), "checkpointing": ("checkpointing", "Partition Planner"),
+                "rank": ("LoRA rank", "Partition Planner"), "recompute": ("recompute", "Partition Planner"),
                 "frames": ("frames", "Partition Planner"), "schedule": ("schedule", "Partition Planner"),
                 "base_compute": ("base compute", "Partition Planner"), "steps": ("steps", "LoRA Trainer"),
                 "compile": ("compile", "LoRA Trainer")}

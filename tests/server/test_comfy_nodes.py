@@ -35,7 +35,7 @@ NODE_CONTRACT = {
         outputs=[("UGPUM_MODEL", "model")], output_node=False),
     "UGPUMPartitionPlanner": dict(
         required={"model": "UGPUM_MODEL", "resolution": "INT", "batch": "INT", "grad_accum": "INT",
-                  "rank": "INT", "checkpointing": "COMBO"},
+                  "rank": "INT", "recompute": "COMBO"},
         optional={"frames": "INT", "schedule": "COMBO", "manual_split": "STRING", "base_compute": "COMBO"},
         outputs=[("UGPUM_PLAN", "plan"), ("STRING", "report")], output_node=True),
     "UGPUMLoRATrainer": dict(
@@ -123,7 +123,7 @@ def loader(name: str, devices: str = "auto", dtype: str = "as stored") -> dict:
 
 
 def planner(model_ref: list, resolution: int = 1024, **kw) -> dict:
-    inputs = dict(model=model_ref, resolution=resolution, batch=1, grad_accum=1, rank=16, checkpointing="block")
+    inputs = dict(model=model_ref, resolution=resolution, batch=1, grad_accum=1, rank=16, recompute="auto")
     inputs.update(kw)
     return {"class_type": "UGPUMPartitionPlanner", "inputs": inputs}
 
@@ -182,7 +182,8 @@ def test_loader_and_planner_on_a_tiny_flux2_file(server):
     assert "tiny-flux2" in described and "M parameters" in described
     assert "5 blocks (2 double, 3 single)" in described and "weights fp32 -> bf16" in described
     report = ui_text(entry, "2")
-    assert report.startswith("tiny-flux2  256x256  batch 1  grad-accum 2  rank 4  bf16  checkpointing block")
+    assert report.startswith("tiny-flux2  256x256  batch 1  grad-accum 2  rank 4  bf16  recompute auto")
+    assert "recompute auto: 5 of 5 blocks keep their activations" in report     # the host's memory holds them
     assert "forecast / budget GiB" in report and "CPU run: no step-time forecast" in report   # (a CPU plan)
     assert "double_blocks.0" in report and "single_blocks.2" in report   # all 5 blocks are placed
 
@@ -259,7 +260,7 @@ def test_loader_names_missing_companion_files_and_the_download_command(server):
 @pytest.mark.parametrize("prompt, node, expected", [
     ({"1": loader(BROKEN_FILE), "2": planner(["1", 0])}, "1",
      f"UGPUM Loader: Cannot read '{BROKEN_FILE}': not a safetensors file"),
-    ({"1": loader(KLEIN_BASE_FILE, devices="8GiB"), "2": planner(["1", 0], checkpointing="none")}, "2",
+    ({"1": loader(KLEIN_BASE_FILE, devices="8GiB"), "2": planner(["1", 0], recompute="none")}, "2",
      "Partition Planner: flux2-klein-base-9b does not fit on 1 device(s)"),
     ({"1": loader(TINY_FILE, devices="rtx4090, gtx9000"), "2": planner(["1", 0])}, "1",
      "UGPUM Loader: unknown device spec 'gtx9000'"),

@@ -64,7 +64,7 @@ def training(dataset: str, save_name: str, rank: int = 4) -> dict:
         "1": {"class_type": "UGPUMLoader", "inputs": {"dit_name": TINY_FILE, "weight_dtype": "as stored",
                                                        "devices": "auto"}},
         "2": {"class_type": "UGPUMPartitionPlanner",
-              "inputs": dict(model=["1", 0], resolution=64, batch=1, grad_accum=1, rank=rank, checkpointing="block")},
+              "inputs": dict(model=["1", 0], resolution=64, batch=1, grad_accum=1, rank=rank, recompute="auto")},
         "3": {"class_type": "UGPUMLoRATrainer",
               "inputs": dict(model=["1", 0], plan=["2", 0], dataset=dataset, trigger_word="loranne", steps=1,
                              learning_rate=1e-3, alpha=4.0, seed=1, sample_prompt="loranne", sample_every=0,

@@ -46,7 +46,7 @@ def test_the_node_prints_the_same_plan(comfy, capsys):
                              file_name="nowhere.safetensors", key_prefix="", stored_dtype="bf16", weight_dtype="bf16",
                              devices=("rtx4090",), spec=spec)
     output = planner.PartitionPlanner.execute(model, resolution=1024, batch=1, grad_accum=4, rank=16,
-                                              checkpointing="block")
+                                              recompute="auto")
     by_node = output.result[1].strip()
     by_plan = plan_cli(["--profile", "klein-9b-1024", "--gpu", "rtx4090", "--grad-accum", "4"], capsys)
     assert by_node == by_plan and "4 micro-batches of batch 1 per step" in by_node

@@ -38,7 +38,7 @@ def _plan(spec, device: str, swapped: list[int]):
     from ugpum.arch import Workload
     from ugpum.devices import Device
     from ugpum.plan import make_plan
-    w = Workload(width=64, height=64, text_tokens=6, checkpointing=True, rank=2)
+    w = Workload(width=64, height=64, text_tokens=6, recompute="all", rank=2)
     plan = make_plan(spec, [Device("big", device, 2 ** 40, 2 ** 40, 1.0, 20.0, "unknown")], w)
     plan.stages[0].offloaded = list(swapped)
     plan.offloaded_blocks = list(swapped)

@@ -11,18 +11,18 @@ from ugpum.wording import for_cli, for_nodes, plain, setting
 
 
 def test_a_mark_reads_as_a_flag_a_config_key_or_a_node_input():
-    text = f"use fp8 weights ({setting('weight_dtype', 'fp8')}) or checkpointing ({setting('checkpointing', True)})"
-    assert plain(text) == "use fp8 weights (weight_dtype = fp8) or checkpointing (checkpointing = true)"
-    assert for_cli(text, "plan") == "use fp8 weights (--dtype fp8) or checkpointing (--checkpointing block)"
-    assert for_cli(text, "train") == ("use fp8 weights (weight_dtype = fp8 in the --config TOML) or checkpointing "
-                                      "(checkpointing = true in the --config TOML)")
-    assert for_nodes(text) == ("use fp8 weights (weight_dtype = fp8 on the UGPUM Loader) or checkpointing "
-                               "(checkpointing = block on the Partition Planner)")
+    text = f"use fp8 weights ({setting('weight_dtype', 'fp8')}) or recompute ({setting('recompute', 'all')})"
+    assert plain(text) == "use fp8 weights (weight_dtype = fp8) or recompute (recompute = all)"
+    assert for_cli(text, "plan") == "use fp8 weights (--dtype fp8) or recompute (--recompute all)"
+    assert for_cli(text, "train") == ("use fp8 weights (weight_dtype = fp8 in the --config TOML) or recompute "
+                                      "(recompute = all in the --config TOML)")
+    assert for_nodes(text) == ("use fp8 weights (weight_dtype = fp8 on the UGPUM Loader) or recompute "
+                               "(recompute = all on the Partition Planner)")
 
 
 def too_small() -> str:
     spec = get_spec("flux2-klein-9b")
-    w = Workload(width=2048, height=2048, frames=1, batch=4, rank=16, checkpointing=True, weight_dtype="bf16")
+    w = Workload(width=2048, height=2048, frames=1, batch=4, rank=16, recompute="all", weight_dtype="bf16")
     with pytest.raises(PlanError) as failed:
         plan_training(spec, resolve_devices(["8GiB"], spec, probe=False), w)
     return str(failed.value)
@@ -51,6 +51,6 @@ def test_the_planner_node_names_its_inputs(comfy):
                              file_name="nowhere.safetensors", key_prefix="", stored_dtype="bf16", weight_dtype="bf16",
                              devices=("8GiB",), spec=spec)
     with pytest.raises(UGPUMError) as failed:
-        planner.PartitionPlanner.execute(model, resolution=2048, batch=4, grad_accum=1, rank=16, checkpointing="block")
+        planner.PartitionPlanner.execute(model, resolution=2048, batch=4, grad_accum=1, rank=16, recompute="auto")
     said = str(failed.value)
     assert "resolution = 512 on the Partition Planner" in said and "--" not in said and "{setting:" not in said

@@ -1,11 +1,15 @@
 """What the planner needs to know about a diffusion transformer, independent of any model code."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 
 WEIGHT_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1, "fp32": 4}
 ACT_BYTES = 2  # activations run in bf16 (autocast) on the GPU
 
+
+# auto: the planner chooses per block; all: every block recomputed in backward; none: every block keeps its
+# activations from forward to backward
+RECOMPUTE_SETTINGS = ("auto", "all", "none")
 
 WAN_FPS = 16        # Wan 2.1's frame rate: what it was trained on, what ComfyUI's Wan templates save at
 
@@ -42,11 +46,20 @@ class Workload:
     frames: int = 1
     batch: int = 1
     text_tokens: int = 512
-    checkpointing: bool = True
     weight_dtype: str = "bf16"
     rank: int = 16
     compiled: bool = False               # blocks compiled (ugpum.compile): fused elementwise work
     base_compute: str = "bf16"           # the frozen base's matmuls: bf16 | fp8 | int8 (ugpum.base_compute)
+    # Which blocks recompute their forward in backward (per-block checkpointing): all | none | auto (the
+    # planner keeps the activations of the resident blocks the memory left over holds, ugpum.plan).
+    recompute: str = "all"
+    checkpointing: InitVar[bool | None] = None     # the older switch: true is recompute all, false none
+
+    def __post_init__(self, checkpointing):
+        if checkpointing is not None:
+            object.__setattr__(self, "recompute", "all" if checkpointing else "none")
+        if self.recompute not in RECOMPUTE_SETTINGS:
+            raise ValueError(f"recompute {self.recompute!r}: must be one of {', '.join(RECOMPUTE_SETTINGS)}")
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ import json
 
 from ..arch import get_spec, recognise
 from ..devices import CPU_TRAINABLE_PARAMS, resolve_devices
-from ..forecast import format_plan, plan_for_config
+from ..forecast import format_plan, plan_for_config, recompute_line
 from ..schedules import ALL_SETTINGS, DISTRIBUTED_ONLY
 from ..train.config import TrainConfig, load_config
 from .errors import UsageError
@@ -47,7 +47,11 @@ def add_plan_parser(sub) -> None:
                         "--distributed also interleaved-1f1b or zero-bubble (two pipeline stages per rank)")
     p.add_argument("--rank", type=int, help="LoRA rank (default 16)")
     p.add_argument("--dtype", choices=["bf16", "fp8"], help="base weight dtype (default bf16)")
-    p.add_argument("--checkpointing", choices=["block", "none"], help="default block")
+    p.add_argument("--recompute", choices=["auto", "all", "none"],
+                   help="blocks recomputed in backward: auto keeps the activations of as many blocks as the memory "
+                        "left after the weights holds (the largest saving first), all recomputes every block, none "
+                        "keeps every block's (default auto)")
+    p.add_argument("--checkpointing", choices=["block", "none"], help=argparse.SUPPRESS)   # older: all / none
     p.add_argument("--compile", choices=["auto", "on", "off"],
                    help="plan compiled blocks (auto and on) or eager ones (off), as train runs them (default auto)")
     p.add_argument("--base-compute", choices=["auto", "bf16", "fp8", "int8"],
@@ -82,6 +86,7 @@ def plan_config(args) -> tuple[TrainConfig, object]:
                  else None, "resolution": side, "frames": args.frames, "batch": args.batch,
                  "grad_accum": args.grad_accum, "schedule": args.schedule, "rank": args.rank,
                  "alpha": float(args.rank) if args.rank else None, "weight_dtype": args.dtype,
+                 "recompute": args.recompute,
                  "checkpointing": None if args.checkpointing is None else args.checkpointing == "block",
                  "compile": args.compile, "base_compute": args.base_compute, "devices": args.gpu}
     cfg = load_config(args.profile or "", args.config or "", overrides)
@@ -103,7 +108,8 @@ def run_plan(args) -> int:
         raise UsageError(f"--schedule {cfg.schedule} puts two pipeline stages on each rank of a distributed run: "
                          "add --distributed, or use auto, sequential, gpipe or 1f1b")
     plan = plan_for_config(cfg, devices, spec=spec, bucket=bucket)
-    print(json.dumps(plan.to_json(), indent=1) if args.json else format_plan(plan))
+    print(json.dumps({**plan.to_json(), "recompute_line": recompute_line(plan)}, indent=1) if args.json
+          else format_plan(plan))
     return 0
 
 

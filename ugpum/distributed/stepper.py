@@ -49,7 +49,7 @@ from ..schedules import rank_stages, schedule_kind, stages_per_rank
 from ..train.checkpoint import load_checkpoint
 from ..train.config import TrainConfig
 from ..train.errors import TrainingError
-from ..train.prepare import make_trainable, quantiser, with_planned_base_compute
+from ..train.prepare import make_trainable, quantiser, recomputed_paths, with_planned_base_compute
 from ..train.run_folder import save_run
 from .forecast import distributed_plan
 from .schedule_run import GradientsInOrder, clip_pipeline, run_schedule
@@ -178,7 +178,8 @@ class PipelineStepper:
                            on_weight=quantise)
         model.to(top.device)
         self.lora = stage_lora(model, cfg, spec, mine)
-        self.undo = make_trainable(cfg, spec, model, own_paths, quantise, log)
+        # (each rank checkpoints its own blocks that the plan recomputes)
+        self.undo = make_trainable(cfg, spec, model, own_paths, quantise, recomputed_paths(plan, spec, own_paths), log)
         self.model = model
         self.params = [p for _, p in lora_params(self.lora)]
         self.stages = [stage_module(model, spec, r, autocast=cfg.autocast).adopt(stage_adapters(self.lora, cfg, spec, r))

@@ -43,10 +43,11 @@ __all__ = ["DiskFull", "NonFinite"]       # (re-exported: what a save here raise
 
 
 # Settings that may change between a run and its resume: how long, how it is watched and saved,
-# where it runs. Every other TrainConfig field changes what is trained.
+# where it runs, which blocks recompute in backward (the same gradients). Every other TrainConfig field
+# changes what is trained.
 MAY_CHANGE = frozenset({"steps", "sample_every", "sample_prompt", "sample_steps", "sample_seed", "sample_guidance",
                         "save_every", "save_every_minutes", "output_name", "cache_dir", "devices", "schedule",
-                        "checkpointing", "dataset", "dataset_root", "model_file"})
+                        "recompute", "dataset", "dataset_root", "model_file"})
 # compared through the dataset's content hash and the model file's header digest instead of paths
 
 

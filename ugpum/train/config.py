@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..arch import Workload, get_spec, model_ids
+from ..arch.base import RECOMPUTE_SETTINGS
 from ..schedules import ALL_SETTINGS as SCHEDULE_SETTINGS
 from ..dtypes import TRAINING_DTYPES
 from ..diffusion.flow import TIMESTEP_METHODS
@@ -132,7 +133,8 @@ class TrainConfig:
     shift: float = 3.0                    # for timesteps = "shift"
     weighting: str = "none"               # none | sigma_sqrt | cosmap
     seed: int = 42
-    checkpointing: bool = True            # per-block gradient checkpointing
+    recompute: str = "auto"               # blocks recomputed in backward (per-block checkpointing): auto (the
+                                          # planner keeps the activations the memory holds) | all | none
     autocast: bool = True                 # bf16 autocast on CUDA
     weight_dtype: str = "bf16"            # bf16 | fp8 | fp32 (base weights, frozen)
     guidance: float | None = None         # FLUX.2 dev's guidance-embedding input in training; unset: 1.0,
@@ -207,10 +209,17 @@ class TrainConfig:
         need(not problem, "output_name", problem)
         need(self.compile in ("auto", "on", "off"), "compile", "auto, on or off")
         need(self.base_compute in ("auto", "bf16", "fp8", "int8"), "base_compute", "auto, bf16, fp8 or int8")
+        need(self.recompute in RECOMPUTE_SETTINGS, "recompute", "auto (the planner keeps the activations the "
+             "memory holds), all (every block recomputed in backward) or none")
         if self.dataset_root is not None and self.dataset:
             from .musubi_toml import check_inside
             check_inside(self.dataset, self.dataset_root)        # DatasetError naming the path outside
         return self
+
+    @property
+    def checkpointing(self) -> bool:
+        """The older switch, read: whether any block may be recomputed in backward."""
+        return self.recompute != "none"
 
     def workload(self) -> Workload:
         """One step's shape, as the planner sees it (text at ComfyUI's padded 512 tokens). An 8-bit
@@ -218,7 +227,7 @@ class TrainConfig:
         is planned as compiled (what it does on a CUDA GPU with Triton; it says so where it cannot)."""
         held = "fp8" if self.base_compute in ("fp8", "int8") else self.weight_dtype     # (auto: the planner's)
         return Workload(width=self.resolution, height=self.resolution, frames=self.frames, batch=self.batch,
-                        rank=self.rank, checkpointing=self.checkpointing, weight_dtype=held,
+                        rank=self.rank, recompute=self.recompute, weight_dtype=held,
                         compiled=self.compile != "off", base_compute=self.base_compute)
 
 
@@ -232,7 +241,7 @@ def load_config(profile: str = "", toml_file: str | Path = "", overrides: dict |
     if profile:
         if profile not in PROFILES:
             raise ConfigError(f"unknown profile {profile!r}; built-in: {', '.join(PROFILES)}")
-        values.update(PROFILES[profile])
+        values.update(_recompute_from_switch(PROFILES[profile]))
     if toml_file:
         path = Path(toml_file)
         try:
@@ -243,11 +252,34 @@ def load_config(profile: str = "", toml_file: str | Path = "", overrides: dict |
         if not isinstance(table, dict):
             raise ConfigError(f"{path}: [train] must be a table of settings (train.steps = 50, ...), "
                               f"not {type(table).__name__}")
-        values.update(table)
         _refuse_unknown(table, str(path))
-    values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+        values.update(_recompute_from_switch(table, str(path)))
+    values.update(_recompute_from_switch({k: v for k, v in (overrides or {}).items() if v is not None}))
     _refuse_unknown(values, "the settings")
     return TrainConfig(**values).validate()
+
+
+# The older on/off switch (and other trainers' name for it), read as recompute: true = all, false = none.
+RECOMPUTE_SWITCHES = ("checkpointing", "gradient_checkpointing")
+
+
+def _recompute_from_switch(values: dict, where: str = "the settings") -> dict:
+    """`values` (one layer: a profile, a TOML file, the overrides) with checkpointing = true/false, as older
+    configs and other trainers write it, turned into recompute = all/none; refused, naming both, where it
+    contradicts a recompute in the same layer."""
+    values = dict(values)
+    for name in RECOMPUTE_SWITCHES:
+        if name not in values:
+            continue
+        switch = values.pop(name)
+        if not isinstance(switch, bool):
+            raise ConfigError(f"{where}: setting '{name}' = {switch!r}: must be true or false (or use recompute "
+                              "= auto, all or none)")
+        meant = "all" if switch else "none"
+        if values.setdefault("recompute", meant) != meant:
+            raise ConfigError(f"{where}: settings '{name}' = {str(switch).lower()} and 'recompute' = "
+                              f"{values['recompute']!r} disagree: keep only recompute (auto, all or none)")
+    return values
 
 
 # What other trainers (musubi-tuner, kohya's sd-scripts, diffusers' scripts) call some of these settings.
@@ -255,7 +287,7 @@ OTHER_NAMES = {"learning_rate": "lr", "network_dim": "rank", "network_alpha": "a
                "lora_alpha": "alpha", "max_train_steps": "steps", "train_batch_size": "batch",
                "batch_size": "batch", "gradient_accumulation_steps": "grad_accum", "lr_scheduler": "lr_schedule",
                "lr_warmup_steps": "warmup_steps", "optimizer_type": "optimizer", "dit": "model_file",
-               "gradient_checkpointing": "checkpointing", "timestep_sampling": "timesteps",
+               "timestep_sampling": "timesteps",
                "discrete_flow_shift": "shift", "caption_dropout_rate": "caption_dropout",
                "save_every_n_steps": "save_every", "sample_every_n_steps": "sample_every",
                "mixed_precision": "weight_dtype", "train_data_dir": "dataset", "dataset_config": "dataset"}
@@ -273,7 +305,7 @@ def closest_setting(name: str) -> str | None:
 def _refuse_unknown(values: dict, where: str) -> None:
     """One sentence naming every unknown key of `where`, each with the setting it most likely means."""
     known = {f.name for f in dataclasses.fields(TrainConfig)}
-    unknown = sorted(k for k in values if k not in known)
+    unknown = sorted(k for k in values if k not in known and k not in RECOMPUTE_SWITCHES)
     if not unknown:
         return
     named = [f"{k} (did you mean {guess}?)" if (guess := closest_setting(k)) else k for k in unknown]

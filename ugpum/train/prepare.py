@@ -54,11 +54,17 @@ def quantiser(cfg: TrainConfig, spec, block_paths: list[str], devices, model) ->
     return QuantiseAsLoaded(base_linear_paths(spec, block_paths), cfg.base_compute)
 
 
+def recomputed_paths(plan: Plan, spec, block_paths: list[str]) -> list[str]:
+    """The blocks of `block_paths` that the plan recomputes in backward (all but its kept activations)."""
+    kept = {spec.blocks[i].path for i in plan.kept_activations}
+    return [p for p in block_paths if p not in kept]
+
+
 def make_trainable(cfg: TrainConfig, spec, model, block_paths: list[str], quantised: QuantiseAsLoaded | None,
-                   log=print) -> Callable[[], None]:
+                   recomputed: list[str], log=print) -> Callable[[], None]:
     """After the LoRA is attached to `block_paths`: the base in `base_compute` (unless quantised as it
-    loaded), residuals safe to differentiate, the blocks compiled (`compile`), then checkpointed
-    (checkpointing wraps the compiled forward). Returns undo()."""
+    loaded), residuals safe to differentiate, the blocks compiled (`compile`), then the `recomputed` ones
+    checkpointed (checkpointing wraps the compiled forward). Returns undo()."""
     if quantised is not None:
         log(quantised.summary())
         undo_8bit = lambda: None                 # noqa: E731 - nothing to put back: the model is dropped after
@@ -66,7 +72,7 @@ def make_trainable(cfg: TrainConfig, spec, model, block_paths: list[str], quanti
         undo_8bit = use_8bit_base(model, base_linear_paths(spec, block_paths), cfg.base_compute, log, keep="cpu")
     guards = guard_inplace_residuals(model, include_rms=False)
     undo_compile = compile_blocks(model, block_paths, cfg.compile, log)
-    undo_ckpt = checkpoint_blocks(model, block_paths) if cfg.checkpointing else (lambda: None)
+    undo_ckpt = checkpoint_blocks(model, recomputed)
 
     def undo():
         undo_ckpt()
@@ -96,7 +102,8 @@ def prepare_model(cfg: TrainConfig, spec, plan: Plan, model, key_prefix: str = "
                               TORCH_DTYPES[cfg.weight_dtype], on_weight=quantise)
     lora = attach_lora(model, lora_targets(block_paths, [b.linears for b in spec.blocks], tuple(cfg.targets)),
                        cfg.rank, cfg.alpha, seed=cfg.seed)
-    undo_trainable = make_trainable(cfg, spec, model, block_paths, quantise, log)
+    undo_trainable = make_trainable(cfg, spec, model, block_paths, quantise, recomputed_paths(plan, spec, block_paths),
+                                    log)
 
     def release():
         undo_trainable()
