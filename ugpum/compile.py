@@ -211,9 +211,11 @@ def compile_blocks(model: nn.Module, block_paths: list[str], setting: str = "aut
     return undo
 
 
-# what Dynamo raises, while tracing or before it starts, for a forward that cannot be one graph
-_NOT_ONE_GRAPH = tuple(getattr(torch._dynamo.exc, name) for name in ("Unsupported", "FailOnRecompileLimitHit")
-                       if hasattr(torch._dynamo.exc, name))
+def _not_one_graph() -> tuple[type, ...]:
+    """What Dynamo raises, while tracing or before it starts, for a forward that cannot be one graph. Read
+    when an error is caught, not at import: importing Dynamo costs every CLI start seconds."""
+    return tuple(getattr(torch._dynamo.exc, name) for name in ("Unsupported", "FailOnRecompileLimitHit")
+                 if hasattr(torch._dynamo.exc, name))
 
 
 def _compiled_forward(cls: type, dynamic, mode) -> tuple:
@@ -252,7 +254,7 @@ class _ClassForward:
         if self.eager_reason is None:
             try:
                 return self.compiled(block, *args, **kwargs)
-            except _NOT_ONE_GRAPH as err:         # raised before any kernel ran: running eagerly redoes nothing
+            except _not_one_graph() as err:         # raised before any kernel ran: running eagerly redoes nothing
                 self.eager_reason = _why(err)
                 self.log(f"compile: {self.cls.__name__} does not compile as one graph ({self.eager_reason}), so "
                          "its blocks run eagerly")

@@ -1,10 +1,12 @@
-"""Every input is checked before work starts (issue 15), through the real command line in child
-processes: damaged model files, bad images, settings out of range, an output folder that cannot be
-written. Each refusal is one sentence naming the file or setting, with no traceback and nothing
+"""Every input is checked before work starts (issue 15), through the real command line (`main`, in this
+process where a refusal comes before any work; in child processes where the process itself matters: the
+umask, argparse's exit, an unwritable --out): damaged model files, bad images, settings out of range, an
+output folder that cannot be written. Each refusal is one sentence naming the file or setting, with no traceback and nothing
 written. Also: what the pack writes honours the umask, every image is decoded once, and a plan that
 nothing simple fits names what would."""
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -13,7 +15,6 @@ import struct
 import subprocess
 import sys
 import zlib
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +37,15 @@ def cli(*args: str, umask: int | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "ugpum", *args], cwd=REPO, capture_output=True, text=True,
                           timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"),
                           preexec_fn=None if umask is None else (lambda: os.umask(umask)))
+
+
+def main_here(*args: str) -> subprocess.CompletedProcess:
+    """`python -m ugpum ARGS` through the same `main`, in this process: for refusals that come before any
+    work, where a child process would add only Python's and torch's start (seconds each)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(list(args))
+    return subprocess.CompletedProcess(args, rc, out.getvalue(), err.getvalue())
 
 
 def assert_one_sentence(rc: int, stdout: str, stderr: str, *named: str) -> str:
@@ -163,8 +173,8 @@ def tiny_model(tmp_path_factory, comfy) -> Path:
 
 @pytest.fixture(scope="module")
 def refusals(tmp_path_factory, tiny_model) -> dict[str, tuple[subprocess.CompletedProcess, list[str], Path]]:
-    """Every refused command line of this module, run three at a time (each is mostly Python's start):
-    case -> (finished process, what its sentence must name, its --out)."""
+    """Every refused command line of this module: case -> (finished run, what its sentence must name,
+    its --out)."""
     root = tmp_path_factory.mktemp("refusals")
     cases: dict[str, tuple[list[str], list[str], Path]] = {}
     for case, damage in DEFECTS.items():
@@ -190,9 +200,7 @@ def refusals(tmp_path_factory, tiny_model) -> dict[str, tuple[subprocess.Complet
     cases["config-resolution-100000"] = (["--dataset", str(DATASET), "--config", str(config),
                                           "--out", str(root / "out-config")],
                                          ["setting 'resolution' = 100000", "4096"], root / "out-config")
-    with ThreadPoolExecutor(max_workers=3) as pool:
-        done = dict(zip(cases, pool.map(lambda c: cli("train", *BASE, *c[0]), cases.values())))
-    return {case: (done[case], named, out) for case, (_, named, out) in cases.items()}
+    return {case: (main_here("train", *BASE, *args), named, out) for case, (args, named, out) in cases.items()}
 
 
 @needs_comfyui
