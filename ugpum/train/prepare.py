@@ -73,6 +73,8 @@ def make_trainable(cfg: TrainConfig, spec, model, block_paths: list[str], quanti
     guards = guard_inplace_residuals(model, include_rms=False)
     undo_compile = compile_blocks(model, block_paths, cfg.compile, log)
     undo_ckpt = checkpoint_blocks(model, recomputed)
+    log(f"recompute: {len(recomputed)} of {len(block_paths)} blocks recomputed in backward, the rest keep their "
+        "activations" if len(recomputed) < len(block_paths) else "recompute: every block recomputed in backward")
 
     def undo():
         undo_ckpt()
