@@ -125,6 +125,9 @@ def import_comfy(path: str | os.PathLike, cpu: bool = True):
         import comfy.cli_args
         if cpu and "comfy.model_management" not in sys.modules:
             comfy.cli_args.args.cpu = True
+            # PyTorch's attention, which ComfyUI takes on NVIDIA GPUs: on the CPU it would take its
+            # sub-quadratic fallback instead, another algorithm than a GPU run's and slower here.
+            comfy.cli_args.args.use_pytorch_cross_attention = True
     import comfy
     where = [Path(p).resolve().parent for p in getattr(comfy, "__path__", [])]
     if where != [path]:  # e.g. another 'comfy' earlier on sys.path, or a merged namespace

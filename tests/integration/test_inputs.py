@@ -6,7 +6,6 @@ written. Also: what the pack writes honours the umask, every image is decoded on
 nothing simple fits names what would."""
 from __future__ import annotations
 
-import contextlib
 import io
 import json
 import os
@@ -22,6 +21,7 @@ import pytest
 from PIL import Image, ImageFile
 
 from comfy_bridge import find_comfyui
+from support.cli_run import main_here
 from ugpum.commands import main
 from ugpum.formats.atomic import atomic_path
 from ugpum.train.dataset import load_bucketed_image, load_image_folder
@@ -37,15 +37,6 @@ def cli(*args: str, umask: int | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "ugpum", *args], cwd=REPO, capture_output=True, text=True,
                           timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"),
                           preexec_fn=None if umask is None else (lambda: os.umask(umask)))
-
-
-def main_here(*args: str) -> subprocess.CompletedProcess:
-    """`python -m ugpum ARGS` through the same `main`, in this process: for refusals that come before any
-    work, where a child process would add only Python's and torch's start (seconds each)."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        rc = main(list(args))
-    return subprocess.CompletedProcess(args, rc, out.getvalue(), err.getvalue())
 
 
 def assert_one_sentence(rc: int, stdout: str, stderr: str, *named: str) -> str:

