@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from comfy_bridge import find_comfyui
+from support import comfy_models as cm
 from ugpum import devices as ugpum_devices
 from ugpum.base_compute import use_8bit_base
 from ugpum.checkpointing import checkpoint_blocks
@@ -80,16 +81,17 @@ def test_all_none_and_a_planned_mix_train_the_same_lora(tmp_path, monkeypatch, p
         if recompute == "auto":
             mixed_cap(monkeypatch)
         lines = said[recompute] = []
-        result = run_training(cfg(recompute), tmp_path / recompute, log=lambda *a, out=lines: out.append(" ".join(map(str, a))))
+        result = run_training(cfg(recompute), tmp_path / recompute,
+                              log=lambda *a, out=lines: out.append(" ".join(map(str, a))))
         loras[recompute], kept[recompute] = load_file(str(result.lora_path)), result.plan.kept_activations
     n = len(result.plan.block_paths)
     assert kept["all"] == [] and kept["none"] == list(range(n)) and 0 < len(kept["auto"]) < n, kept
+    assert f"recompute auto: {len(kept['auto'])} of {n} blocks keep their activations" in "\n".join(said["auto"])
     # the engine checkpointed as many blocks as each plan recomputes
     for recompute, line in (("all", "recompute: every block recomputed in backward"),
                             ("none", f"recompute: 0 of {n} blocks recomputed in backward"),
                             ("auto", f"recompute: {n - len(kept['auto'])} of {n} blocks recomputed in backward")):
-        assert [x for x in said[recompute] if x.startswith("recompute: ")] == [line] or \
-            any(x.startswith(line) for x in said[recompute]), said[recompute]
+        assert [x for x in said[recompute] if x.startswith("recompute: ")][0].startswith(line), said[recompute]
     assert result.plan.schedule == "gpipe" and len([s for s in result.plan.stages if s.blocks[1] > s.blocks[0]]) == 2
     reference = loras["all"]
     assert reference and all(torch.isfinite(t).all() for t in reference.values())
@@ -100,9 +102,6 @@ def test_all_none_and_a_planned_mix_train_the_same_lora(tmp_path, monkeypatch, p
 
 
 def test_emulated_int8_base_with_mixed_checkpointing_gives_the_same_gradients(comfy):
-    import sys
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from support import comfy_models as cm
     model = cm.build_tiny_flux2(torch.float32, depth=2, depth_single=2, exact_rope=False)
     paths = ["double_blocks.0", "double_blocks.1", "single_blocks.0", "single_blocks.1"]
     targets = [f"{p}.{n}" for p in paths for n, m in model.get_submodule(p).named_modules()

@@ -14,6 +14,7 @@ from ..base_compute import QuantiseAsLoaded, check_devices, use_8bit_base
 from ..checkpointing import checkpoint_blocks
 from ..compile import compile_blocks
 from ..devices import resolve_devices
+from ..forecast import recompute_line
 from ..dtypes import TORCH_DTYPES
 from ..inplace_guard import guard_inplace_residuals
 from ..place import place_by_plan
@@ -104,6 +105,7 @@ def prepare_model(cfg: TrainConfig, spec, plan: Plan, model, key_prefix: str = "
                               TORCH_DTYPES[cfg.weight_dtype], on_weight=quantise)
     lora = attach_lora(model, lora_targets(block_paths, [b.linears for b in spec.blocks], tuple(cfg.targets)),
                        cfg.rank, cfg.alpha, seed=cfg.seed)
+    log(recompute_line(plan))                            # the forecast's line; make_trainable says what it did
     undo_trainable = make_trainable(cfg, spec, model, block_paths, quantise, recomputed_paths(plan, spec, block_paths),
                                     log)
 
