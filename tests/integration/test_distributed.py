@@ -11,6 +11,7 @@ rank that ends every rank with one sentence and a checkpoint, 1 -> 2).
 """
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -22,6 +23,7 @@ import torch
 from safetensors.torch import load_file
 
 from comfy_bridge import find_comfyui
+from support.cli_run import main_here
 
 pytestmark = pytest.mark.skipif(find_comfyui() is None, reason="needs ComfyUI's model classes")
 ROOT = Path(__file__).resolve().parents[2]
@@ -149,10 +151,9 @@ def torchrun_schedule(tmp_path: Path, ranks: int, schedule: str, *args: str) -> 
 
 
 def single_process(out: Path, *args: str) -> Path:
-    """`python -m ugpum train` itself (one thread, as each rank runs), in a subprocess; its output
-    beside the folder, in <out>.log."""
-    done = subprocess.run([sys.executable, "-m", "ugpum", "train", *args, "--out", str(out)], cwd=ROOT, env=_env(),
-                          capture_output=True, text=True, timeout=600)
+    """`python -m ugpum train` itself, through its `main` in this process (one thread, as each rank runs);
+    its output beside the folder, in <out>.log."""
+    done = main_here("train", *args, "--out", str(out))
     assert done.returncode == 0, done.stderr[-4000:]
     out.with_suffix(".log").write_text(done.stdout)
     return out / "ugpum_lora.safetensors"
@@ -172,11 +173,11 @@ def assert_same_lora(a: Path, b: Path, tolerance: float = 1e-6) -> float:
     return worst
 
 
-def two_shapes(tmp_path: Path) -> Path:
+@pytest.fixture(scope="module")
+def two_shapes(tmp_path_factory) -> Path:
     """Six captioned images in two aspect ratios: two buckets, so one step mixes static shapes."""
     from PIL import Image
-    data = tmp_path / "data"
-    data.mkdir()
+    data = tmp_path_factory.mktemp("two_shapes")
     for i, src in enumerate(sorted(DATASET.glob("*.jpg"))[:6]):
         image = Image.open(src).convert("RGB")
         if i % 2:
@@ -186,23 +187,31 @@ def two_shapes(tmp_path: Path) -> Path:
     return data
 
 
+@pytest.fixture(scope="module")
+def two_shapes_reference(tmp_path_factory, two_shapes) -> tuple[list[str], Path]:
+    """(arguments, single-process run folder) of 3 steps of 3 micro-batches over `two_shapes`, the
+    reference of both two-rank tests below."""
+    args = common(two_shapes, "tiny-flux2", steps=3, grad_accum=3, schedule="1f1b")
+    one = tmp_path_factory.mktemp("two_shapes_reference") / "one"
+    single_process(one, *args)
+    return args, one
+
+
 def common(dataset: Path, profile: str, steps: int, grad_accum: int, schedule: str = "auto") -> list[str]:
     return ["--profile", profile, "--dataset", str(dataset), "--devices", "cpu", "--steps", str(steps),
             "--grad-accum", str(grad_accum), "--sample-every", "0", "--schedule", schedule]
 
 
 @pytest.mark.slow
-def test_two_stages_on_two_ranks_train_the_single_process_lora(tmp_path):
+def test_two_stages_on_two_ranks_train_the_single_process_lora(tmp_path, two_shapes_reference):
     """2 ranks, 1F1B, buckets of two shapes in one step (a stage and schedule per shape): the LoRA,
     the logged losses and the checkpoint are the single-process run's."""
-    data = two_shapes(tmp_path)
-    args = common(data, "tiny-flux2", steps=3, grad_accum=3, schedule="1f1b")
-    reference = single_process(tmp_path / "one", *args)
+    args, one = two_shapes_reference
     run = torchrun(2, *args, "--out", str(tmp_path / "two"))
     assert "blocks [0, 2), [2, 5), gloo" in run.stdout
-    assert_same_lora(reference, tmp_path / "two" / "ugpum_lora.safetensors")
-    same_records(tmp_path / "one", tmp_path / "two", steps=3)
-    assert validation_lines(run.stdout) == validation_lines((tmp_path / "one.log").read_text())
+    assert_same_lora(one / "ugpum_lora.safetensors", tmp_path / "two" / "ugpum_lora.safetensors")
+    same_records(one, tmp_path / "two", steps=3)
+    assert validation_lines(run.stdout) == validation_lines(one.with_suffix(".log").read_text())
     assert (tmp_path / "two" / "checkpoints" / "step_000003" / "optimizer.safetensors").is_file()
     plan = json.loads((tmp_path / "two" / "plan.json").read_text())
     assert plan["distributed"] == {"stages": 2, "stages_per_rank": 1, "replicas": 1, "ranks": 2,
@@ -219,21 +228,21 @@ def same_records(one: Path, many: Path, steps: int) -> None:
 
 
 @pytest.mark.slow
-def test_interleaved_1f1b_holds_two_stages_per_rank_and_trains_the_single_process_lora(tmp_path):
+def test_interleaved_1f1b_holds_two_stages_per_rank_and_trains_the_single_process_lora(tmp_path,
+                                                                                      two_shapes_reference):
     """2 ranks of 2 stages each (rank 0: stages 0 and 2, rank 1: 1 and 3), buckets of two shapes in
     one step (runs of 1 to 3 micro-batches, each its own interleaved schedule): the LoRA, losses and
     validation losses of the single process; no samples, said once."""
-    data = two_shapes(tmp_path)
-    args = common(data, "tiny-flux2", steps=3, grad_accum=3, schedule="1f1b")
-    reference = single_process(tmp_path / "one", *args)
+    args, one = two_shapes_reference
     run = torchrun_schedule(tmp_path, 2, "interleaved-1f1b", *args, "--out", str(tmp_path / "two"),
                             "--sample-every", "2")
     assert "2 ranks of 2 stages (rank 0: 0 and 2; rank 1: 1 and 3)" in run.stdout, run.stdout[-3000:]
-    assert "blocks [0, 1), [1, 2), [2, 3), [3, 5), gloo" in run.stdout
-    worst = assert_same_lora(reference, tmp_path / "two" / "ugpum_lora.safetensors")
+    bounds = re.search(r"blocks \[0, (\d+)\), \[\1, (\d+)\), \[\2, (\d+)\), \[\3, 5\), gloo", run.stdout)
+    assert bounds and 0 < int(bounds[1]) < int(bounds[2]) < int(bounds[3]) < 5, run.stdout[-3000:]   # the planner's 4 stages
+    worst = assert_same_lora(one / "ugpum_lora.safetensors", tmp_path / "two" / "ugpum_lora.safetensors")
     print(f"interleaved-1f1b: relative difference {worst}")
-    same_records(tmp_path / "one", tmp_path / "two", steps=3)
-    assert validation_lines(run.stdout) == validation_lines((tmp_path / "one.log").read_text())
+    same_records(one, tmp_path / "two", steps=3)
+    assert validation_lines(run.stdout) == validation_lines(one.with_suffix(".log").read_text())
     assert run.stdout.count("samples: a distributed run renders none (sample_every = 2 is ignored)") == 1
     assert not (tmp_path / "two" / "samples").exists()
     plan = json.loads((tmp_path / "two" / "plan.json").read_text())

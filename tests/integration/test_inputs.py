@@ -366,14 +366,14 @@ def test_nothing_simple_fits_names_the_smallest_gpu_that_would(capsys, args):
 
 
 def test_nothing_fits_at_any_size_names_the_settings_that_would(capsys):
-    args = ["--model", "flux2-dev", "--resolution", "2048", "--batch", "4", "--checkpointing", "none"]
+    args = ["--model", "flux2-dev", "--resolution", "2048", "--batch", "4", "--recompute", "none"]
     assert main(["plan", *args, "--gpu", "4GiB"]) == 2
     line = assert_one_sentence(2, *capsys.readouterr())
-    found = re.search(r"with fp8 weights \(--dtype fp8\), per-block checkpointing \(--checkpointing block\), "
+    found = re.search(r"with fp8 weights \(--dtype fp8\), every block recomputed in backward \(--recompute all\), "
                       r"batch 1 \(--batch 1\), resolution 512 \(--resolution 512\), a GPU with (\d+) GiB would", line)
     assert found and "not even a GPU with 512 GiB" in line, line
     gib = int(found[1])
-    lean = ["--model", "flux2-dev", "--resolution", "512", "--batch", "1", "--checkpointing", "block", "--dtype", "fp8"]
+    lean = ["--model", "flux2-dev", "--resolution", "512", "--batch", "1", "--recompute", "all", "--dtype", "fp8"]
     assert main(["plan", *lean, "--gpu", f"{gib}GiB"]) == 0
     assert main(["plan", *lean, "--gpu", f"{gib - 1}GiB"]) == 2
     capsys.readouterr()

@@ -32,16 +32,21 @@ DEFAULT_NETWORK_GBPS = 10.0          # Gbit/s: a 10 GbE LAN between workstations
 GBIT = 1e9 / 8                       # bytes per second in one Gbit/s
 
 
-def stage_slots(devices: list[Device], schedule: str) -> list[Device]:
+def stage_slots(devices: list[Device], schedule: str, every_stage_bytes: int = 0) -> list[Device]:
     """One device per pipeline stage, in the model's order, for the pipeline's ranks `devices`: a
     schedule with V stages per rank plans each of a rank's stages with a V-th of its GPU's memory
-    (at its full speed: a rank runs its stages one after the other)."""
+    (at its full speed: a rank runs its stages one after the other). A rank without the first stage
+    also holds the small embedders (`every_stage_bytes`), set aside before the planner fills the rest
+    (with recompute auto it keeps activations up to the budget)."""
     v, ranks = stages_per_rank(schedule), len(devices)
-    if v == 1:
-        return list(devices)
     owner = {s: r for r in range(ranks) for s in rank_stages(schedule, r, ranks)}
-    return [dataclasses.replace(devices[owner[s]], total_bytes=devices[owner[s]].total_bytes // v,
-                                free_bytes=devices[owner[s]].free_bytes // v) for s in range(ranks * v)]
+    slots = []
+    for s in range(ranks * v):
+        gpu = devices[owner[s]]
+        aside = 0 if owner[s] == owner[0] else every_stage_bytes
+        slots.append(dataclasses.replace(gpu, total_bytes=(gpu.total_bytes - aside) // v,
+                                         free_bytes=(gpu.free_bytes - aside) // v))
+    return slots
 
 
 def distributed_plan(spec, devices: list[Device], w, per_replica: int, schedule: str = "1f1b") -> Plan:
@@ -49,7 +54,7 @@ def distributed_plan(spec, devices: list[Device], w, per_replica: int, schedule:
     `devices`) for `per_replica` micro-batches per step; an even split by blocks where the planner
     would leave a stage empty or swap blocks (each rank must hold its blocks: there is no swap tier
     in a distributed run)."""
-    slots = stage_slots(devices, schedule)
+    slots = stage_slots(devices, schedule, every_stage_bytes(spec, w))
     kind = "gpipe" if schedule_kind(schedule) == "gpipe" else "1f1b"     # what the planner models
     n = len(slots)
     if len(spec.blocks) < n:
@@ -69,6 +74,11 @@ def every_stage_params(spec) -> int:
     if spec.family == "flux2":
         return 256 * h + h * h + (6 + 6 + 3) * h * h + (256 * h + h * h if spec.guidance else 0)
     return 256 * h + h * h + 6 * h * h + spec.context_dim * h + h * h          # Wan: time, projection, text
+
+
+def every_stage_bytes(spec, w) -> int:
+    """Bytes of `every_stage_params` in the run's weight dtype."""
+    return int(every_stage_params(spec) * WEIGHT_BYTES[w.weight_dtype])
 
 
 @dataclass
@@ -116,11 +126,11 @@ def forecast_distributed(spec, node_devices: list[Device], w, grad_accum: int, n
     per_replica = grad_accum // replicas
     devices = [node_devices[i % g] for i in range(stages)]
     plan = distributed_plan(spec, devices, w, per_replica, schedule)
-    extra = every_stage_params(spec) * WEIGHT_BYTES[w.weight_dtype]
+    extra = every_stage_bytes(spec, w)
     held = [rank_stages(schedule, r, stages) for r in range(stages)]
     # a rank's stages share its GPU and its copy of the small embedders (which the first stage has anyway)
     rank_gib = [sum(plan.stages[i].forecast_gib for i in mine) + (0.0 if 0 in mine else extra / GIB) for mine in held]
-    budget_gib = [sum(plan.stages[i].budget_gib for i in mine) for mine in held]
+    budget_gib = [sum(plan.stages[i].budget_gib for i in mine) + (0.0 if 0 in mine else extra / GIB) for mine in held]
     # the hidden state (and its gradient) over each machine boundary inside one pipeline
     owner = {i: r for r, mine in enumerate(held) for i in mine}
     crossings = sum(owner[i] // g != owner[i + 1] // g for i in range(len(plan.stages) - 1))
