@@ -1,6 +1,13 @@
-import pytest
+import os
 import sys
 from pathlib import Path
+
+import pytest
+
+# Inductor's C++ backend on the CPU: scalar loops instead of vectorised ones. The compile tests check the
+# graphs (LoRA and guard hooks traced in, in-place safety, recompiles), not SIMD; vectorised codegen made
+# each compile about a third slower. Read by torch._inductor.config at its import, and by child processes.
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(Path(__file__).resolve().parent)]
