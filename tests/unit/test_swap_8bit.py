@@ -33,32 +33,40 @@ def _tiny_file(tmp_path):
     return spec, path
 
 
-def _plan(spec, device: str, swapped: list[int]):
-    """A one-device plan whose swap tier is `swapped` (block indices): the planner's own Plan object."""
+def _plan(spec, device: str, swapped: list[int], stages: int = 1, schedule: str = "gpipe"):
+    """A plan over `stages` devices (blocks split evenly, micro-batches in `schedule`) whose swap tier is
+    `swapped` (block indices, each on the stage that holds it): the planner's own Plan object."""
     from ugpum.arch import Workload
     from ugpum.devices import Device
     from ugpum.plan import make_plan
     w = Workload(width=64, height=64, text_tokens=6, recompute="all", rank=2)
-    plan = make_plan(spec, [Device("big", device, 2 ** 40, 2 ** 40, 1.0, 20.0, "unknown")], w)
-    plan.stages[0].offloaded = list(swapped)
-    plan.offloaded_blocks = list(swapped)
+    n = len(spec.blocks)
+    split = [n // stages + (k < n % stages) for k in range(stages)]
+    plan = make_plan(spec, [Device(f"big{k}", device, 2 ** 40, 2 ** 40, 1.0, 20.0, "unknown") for k in range(stages)],
+                     w, grad_accum=2, split=split)
+    for stage in plan.stages:
+        stage.offloaded = [i for i in swapped if stage.blocks[0] <= i < stage.blocks[1]]
+    plan.offloaded_blocks, plan.schedule = list(swapped), schedule
     return plan
 
 
-def _trained_step(spec, path, device: str, mode: str, swapped: list[int], emulate: bool):
-    """Place the tiny model by a plan swapping `swapped`, 8-bit as it loads; one LoRA forward/backward.
-    Returns (LoRA gradients by name, the placement, the quantiser)."""
+def _trained_step(spec, path, device: str, mode: str, swapped: list[int], emulate: bool, stages: int = 1,
+                  schedule: str = "gpipe"):
+    """Place the tiny model by a plan over `stages` devices swapping `swapped`, 8-bit as it loads; the
+    forward/backward of two micro-batches in `schedule`'s order (ugpum.pipeline.accumulate, as training runs
+    them). Returns (LoRA gradients by name, the placement, the quantiser)."""
     from comfy_bridge import build_meta
     from ugpum.base_compute import QuantiseAsLoaded
     from ugpum.checkpointing import checkpoint_blocks
     from ugpum.inplace_guard import guard_inplace_residuals
     from ugpum.lora import attach_lora, lora_targets
+    from ugpum.pipeline import accumulate
     from ugpum.place import place_by_plan
     block_paths = [b.path for b in spec.blocks]
     targets = lora_targets(block_paths, [b.linears for b in spec.blocks])
     model = build_meta(spec, torch.bfloat16 if device != "cpu" else torch.float32).requires_grad_(False)
     quantise = QuantiseAsLoaded(targets, mode, emulate=emulate)
-    placement = place_by_plan(model, _plan(spec, device, swapped), spec.tail_modules, str(path),
+    placement = place_by_plan(model, _plan(spec, device, swapped, stages, schedule), spec.tail_modules, str(path),
                               dtype=torch.bfloat16 if device != "cpu" else torch.float32, on_weight=quantise)
     lora = attach_lora(model, targets, rank=2, alpha=2.0)
     g = torch.Generator().manual_seed(3)
@@ -67,11 +75,15 @@ def _trained_step(spec, path, device: str, mode: str, swapped: list[int], emulat
             a.B.copy_(0.3 * torch.randn(a.B.shape, generator=g).to(a.B))
     guard_inplace_residuals(model, include_rms=False)
     checkpoint_blocks(model, block_paths)
-    inputs = cm.flux2_inputs(model, height_latent=4, width_latent=4, txt_tokens=6)
-    inputs = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
-    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device != "cpu"):
-        out = model(**inputs)
-    out.float().square().mean().backward()
+
+    def micro_batch(seed: int) -> dict:
+        inputs = cm.flux2_inputs(model, height_latent=4, width_latent=4, txt_tokens=6, seed=seed)
+        return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
+
+    def loss(inputs: dict) -> torch.Tensor:
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device != "cpu"):
+            return model(**inputs).float().square().mean() / 2
+    accumulate(loss, [micro_batch(0), micro_batch(1)], schedule, placement.layout, model)
     grads = {p: torch.cat([a.A.grad.flatten(), a.B.grad.flatten()]) for p, a in lora.items()}
     return grads, placement, quantise
 
@@ -86,11 +98,12 @@ def _swapped_bytes(placement) -> dict[str, torch.dtype]:
     return out
 
 
-def _check_equal_and_8bit(spec, path, device, mode, emulate):
+def _check_equal_and_8bit(spec, path, device, mode, emulate, stages: int = 1, schedule: str = "gpipe"):
     n = len(spec.blocks)
     swapped = [0, n // 2, n - 1]
-    resident, _, _ = _trained_step(spec, path, device, mode, [], emulate)
-    streamed, placement, quantise = _trained_step(spec, path, device, mode, swapped, emulate)
+    resident, _, _ = _trained_step(spec, path, device, mode, [], emulate, stages, schedule)
+    streamed, placement, quantise = _trained_step(spec, path, device, mode, swapped, emulate, stages, schedule)
+    assert len(placement.layout.stage_blocks()) == stages
     assert quantise.layers == sum(len(b.linears) for b in spec.blocks)
     assert resident.keys() == streamed.keys()
     for name, g in resident.items():
@@ -116,6 +129,15 @@ def test_swapped_8bit_blocks_give_the_resident_8bit_gradients_on_cpu(tmp_path, c
     _check_equal_and_8bit(spec, path, "cpu", mode, emulate=True)
 
 
+@pytest.mark.parametrize("mode,schedule", [("fp8", "gpipe"), ("int8", "1f1b")])
+def test_swapped_8bit_blocks_split_over_two_devices_and_pipelined_give_the_resident_gradients(tmp_path, comfy, mode,
+                                                                                              schedule):
+    """The split and pipelined paths: two stages (two CPU devices), each swapping some of its blocks, two
+    micro-batches running through both stages at once in the schedule's order."""
+    spec, path = _tiny_file(tmp_path)
+    _check_equal_and_8bit(spec, path, "cpu", mode, emulate=True, stages=2, schedule=schedule)
+
+
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU with 8-bit tensor cores")
 @pytest.mark.parametrize("mode", ["fp8", "int8"])
 def test_swapped_8bit_blocks_give_the_resident_8bit_gradients_on_cuda(tmp_path, comfy, mode):
@@ -124,6 +146,7 @@ def test_swapped_8bit_blocks_give_the_resident_8bit_gradients_on_cuda(tmp_path, 
         pytest.skip(supports(mode, "cuda:0"))
     spec, path = _tiny_file(tmp_path)
     _check_equal_and_8bit(spec, path, "cuda:0", mode, emulate=False)
+    _check_equal_and_8bit(spec, path, "cuda:0", mode, emulate=False, stages=2, schedule="1f1b")   # two stages, one GPU
 
 
 def test_a_model_not_streamed_from_its_file_is_refused_by_name(comfy):
