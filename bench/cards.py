@@ -138,6 +138,9 @@ def main(argv=None) -> int:
     p.add_argument("--rows", required=True, help="JSON lines file the case's row is appended to")
     p.add_argument("--work", required=True, help="a scratch folder for the run's config and output")
     p.add_argument("--label", default="")
+    p.add_argument("--speed-rows", help="also append issue 23's `impl: ugpum_cli` row (bench/results/speed.json's "
+                                        "fields) to this JSON lines file")
+    p.add_argument("--call", default="", help="which GPU run the speed row belongs to (the peer's --call)")
     a = p.parse_args(argv)
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -162,7 +165,26 @@ def main(argv=None) -> int:
     with open(a.rows, "a") as f:
         f.write(json.dumps(row) + "\n")
     print(json.dumps(row))
+    if a.speed_rows:
+        speed = speed_row(a, row, plans[-1] if plans else None, out)
+        with open(a.speed_rows, "a") as f:
+            f.write(json.dumps(speed) + "\n")
+        print(json.dumps(speed))
     return rc
+
+
+def speed_row(a, row: dict, plan, out: Path) -> dict:
+    """Issue 23's row for the user's path beside `peer_reference` rows: the median s/step of steps 5 and
+    later from the run's own metrics.jsonl (compile and warm-up excluded), with the clocks it ran at."""
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()] \
+        if (out / "metrics.jsonl").exists() else []
+    timed = [s["seconds"] for s in steps[4:]]
+    return {"model": row["model"], "impl": "ugpum_cli", "mode": row["base_compute"], "compiled": a.compile == "on",
+            "recompute": a.recompute, "kept_blocks": len(plan.kept_activations) if plan else None,
+            "card_gib": a.card_gib, "s_per_step": round(statistics.median(timed), 4) if timed else None,
+            "timed_steps": len(timed), "peak_gib": row["peak_gib"], "sm_clock_mhz": row.get("sm_clock_mhz_median"),
+            "power_w": row.get("power_w_median"), "forecast_s": row["forecast_s"], "forecast_gib": row["forecast_gib"],
+            "rc": row["rc"], "call": a.call, "label": a.label, "command": row["cli"]}
 
 
 def case_row(a, rc: int, plans: list, out: Path, log: str, clocks: dict) -> dict:

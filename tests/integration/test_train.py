@@ -280,6 +280,16 @@ def test_fp8_base_weights_train(tmp_path):
     assert all(t.dtype == torch.float32 for t in lora_tensors(result.lora_path).values())
 
 
+def test_bf16_base_weights_train_on_the_cpu(tmp_path):
+    """The real models' default weight dtype on a machine without a GPU: bf16 weights under CPU autocast
+    (without it their Linears met fp32 inputs: "expected m1 and m2 to have the same dtype")."""
+    result = train(cfg(steps=2, weight_dtype="bf16", autocast=True), tmp_path, **QUIET)
+    assert result.steps_done == 2 and all(l == l for l in result.losses)
+    assert all(t.dtype == torch.float32 and torch.isfinite(t).all() for t in lora_tensors(result.lora_path).values())
+    with pytest.raises(ConfigError, match=r"setting 'autocast' = False: bf16 weights .* autocast = true"):
+        cfg(weight_dtype="bf16", autocast=False)
+
+
 def test_real_models_refuse_to_train_without_their_encoders(tmp_path, capsys):
     from ugpum.commands import main
     assert main(["train", "--profile", "klein-9b-1024", "--dataset", str(DATASET), "--out", str(tmp_path)]) == 2

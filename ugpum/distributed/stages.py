@@ -29,6 +29,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..dtypes import bf16_autocast
+
 
 @dataclass(frozen=True)
 class StageRange:
@@ -52,10 +54,10 @@ class _Stage(nn.Module):
     """Common to both families: the model (not registered as a submodule: its parameters are the
     model's), the range, autocast as the single-process loop applies it."""
 
-    def __init__(self, model: nn.Module, spec, rng: StageRange, autocast: bool = False):
+    def __init__(self, model: nn.Module, spec, rng: StageRange, autocast: bool = False, weight_dtype: str = "fp32"):
         super().__init__()
         object.__setattr__(self, "model", model)      # keep the model out of this module's tree
-        self.spec, self.rng, self.autocast = spec, rng, autocast
+        self.spec, self.rng, self.autocast, self.weight_dtype = spec, rng, autocast, weight_dtype
         # register the blocks this stage runs, so `parameters()` of the stage is its share
         self.own = nn.ModuleList([model.get_submodule(spec.blocks[i].path) for i in range(rng.start, rng.end)])
 
@@ -67,7 +69,7 @@ class _Stage(nn.Module):
         return self
 
     def _autocast(self, device: torch.device):
-        return torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.autocast and device.type == "cuda")
+        return bf16_autocast(self.autocast, self.weight_dtype, device)
 
 
 class Flux2Stage(_Stage):
@@ -77,8 +79,8 @@ class Flux2Stage(_Stage):
     `context` and `guidance` (models with the embedder). Output: (img, txt) inside the double
     blocks, the joined stream after them, the model's output [B, C, h, w] on the last stage."""
 
-    def __init__(self, model, spec, rng: StageRange, autocast: bool = False):
-        super().__init__(model, spec, rng, autocast)
+    def __init__(self, model, spec, rng: StageRange, autocast: bool = False, weight_dtype: str = "fp32"):
+        super().__init__(model, spec, rng, autocast, weight_dtype)
         self.double = len(model.double_blocks)
 
     def forward(self, *hidden, x, timestep, context, guidance=None):
@@ -186,10 +188,10 @@ class WanStage(_Stage):
 STAGES = {"flux2": Flux2Stage, "wan": WanStage}
 
 
-def stage_module(model: nn.Module, spec, rng: StageRange, autocast: bool = False) -> _Stage:
-    """The stage module of `spec.family` for blocks `rng` of `model`."""
+def stage_module(model: nn.Module, spec, rng: StageRange, autocast: bool = False, weight_dtype: str = "fp32") -> _Stage:
+    """The stage module of `spec.family` for blocks `rng` of `model` (autocast as `ugpum.dtypes.bf16_autocast`)."""
     try:
-        return STAGES[spec.family](model, spec, rng, autocast)
+        return STAGES[spec.family](model, spec, rng, autocast, weight_dtype)
     except KeyError:
         raise ValueError(f"{spec.id}: no pipeline stages for the {spec.family!r} family") from None
 

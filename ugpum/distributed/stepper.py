@@ -182,8 +182,8 @@ class PipelineStepper:
         self.undo = make_trainable(cfg, spec, model, own_paths, quantise, recomputed_paths(plan, spec, own_paths), log)
         self.model = model
         self.params = [p for _, p in lora_params(self.lora)]
-        self.stages = [stage_module(model, spec, r, autocast=cfg.autocast).adopt(stage_adapters(self.lora, cfg, spec, r))
-                       for r in mine]
+        self.stages = [stage_module(model, spec, r, cfg.autocast, cfg.weight_dtype)
+                       .adopt(stage_adapters(self.lora, cfg, spec, r)) for r in mine]
         self.gradients = GradientsInOrder(self.params, top)
         self.schedules: dict = {}
         self.per_replica = cfg.grad_accum // top.replicas

@@ -196,6 +196,8 @@ class TrainConfig:
         need(self.timesteps in ("auto", *TIMESTEP_METHODS), "timesteps", "auto, " + ", ".join(TIMESTEP_METHODS))
         need(self.weighting in ("none", "sigma_sqrt", "cosmap"), "weighting", "none, sigma_sqrt or cosmap")
         need(self.weight_dtype in TRAINING_DTYPES, "weight_dtype", ", ".join(TRAINING_DTYPES))
+        need(self.autocast or self.weight_dtype != "bf16", "autocast", "bf16 weights (weight_dtype = bf16) compute "
+             "under autocast: set autocast = true, or weight_dtype = fp32")
         need(self.guidance is None or 0 <= self.guidance <= 100, "guidance",
              "a number from 0 to 100 (training default 1.0), or leave it unset")
         need(self.sample_guidance is None or 0 <= self.sample_guidance <= 100, "sample_guidance",

@@ -7,6 +7,7 @@ import torch
 
 from ..diffusion.flow import flow_loss, noisy, sample_timesteps, timestep_method
 from ..diffusion.flow_sampler import pad_flux2_context
+from ..dtypes import bf16_autocast
 
 TRAINING_GUIDANCE = 1.0     # guidance-distilled models train at 1.0, as musubi-tuner trains them
 VALIDATION_T = (0.25, 0.5, 0.75)
@@ -51,7 +52,7 @@ def loss_at(model, spec, cfg, x0: torch.Tensor, noise: torch.Tensor, t: torch.Te
     the model's text input [B, L, C] (`model_context`); `first`: the device of the model's inputs."""
     device = torch.device(first)
     kw = model_inputs(cfg, spec, x0, noise, t, context, device)
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.autocast and device.type == "cuda"):
+    with bf16_autocast(cfg.autocast, cfg.weight_dtype, device):
         pred = model(kw.pop("x"), kw.pop("timestep"), kw.pop("context"), transformer_options={}, **kw)
     out = pred.device
     return flow_loss(pred.float(), x0.to(out), noise.to(out), t.to(out), weighting)
