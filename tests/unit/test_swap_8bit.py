@@ -33,9 +33,11 @@ def _tiny_file(tmp_path):
     return spec, path
 
 
-def _plan(spec, device: str, swapped: list[int], stages: int = 1, schedule: str = "gpipe"):
+def _plan(spec, device: str, swapped: list[int], stages: int = 1, schedule: str = "gpipe",
+          keep_resident: bool = False):
     """A plan over `stages` devices (blocks split evenly, micro-batches in `schedule`) whose swap tier is
-    `swapped` (block indices, each on the stage that holds it): the planner's own Plan object."""
+    `swapped` (block indices, each on the stage that holds it), the resident blocks keeping their
+    activations where `keep_resident` (as recompute = auto plans with room): the planner's own Plan object."""
     from ugpum.arch import Workload
     from ugpum.devices import Device
     from ugpum.plan import make_plan
@@ -46,12 +48,13 @@ def _plan(spec, device: str, swapped: list[int], stages: int = 1, schedule: str 
                      w, grad_accum=2, split=split)
     for stage in plan.stages:
         stage.offloaded = [i for i in swapped if stage.blocks[0] <= i < stage.blocks[1]]
+        stage.kept_activations = [i for i in range(*stage.blocks) if i not in swapped] if keep_resident else []
     plan.offloaded_blocks, plan.schedule = list(swapped), schedule
     return plan
 
 
 def _trained_step(spec, path, device: str, mode: str, swapped: list[int], emulate: bool, stages: int = 1,
-                  schedule: str = "gpipe"):
+                  schedule: str = "gpipe", keep_resident: bool = False):
     """Place the tiny model by a plan over `stages` devices swapping `swapped`, 8-bit as it loads; the
     forward/backward of two micro-batches in `schedule`'s order (ugpum.pipeline.accumulate, as training runs
     them). Returns (LoRA gradients by name, the placement, the quantiser)."""
@@ -62,11 +65,13 @@ def _trained_step(spec, path, device: str, mode: str, swapped: list[int], emulat
     from ugpum.lora import attach_lora, lora_targets
     from ugpum.pipeline import accumulate
     from ugpum.place import place_by_plan
+    from ugpum.train.prepare import recomputed_paths
     block_paths = [b.path for b in spec.blocks]
     targets = lora_targets(block_paths, [b.linears for b in spec.blocks])
     model = build_meta(spec, torch.bfloat16 if device != "cpu" else torch.float32).requires_grad_(False)
     quantise = QuantiseAsLoaded(targets, mode, emulate=emulate)
-    placement = place_by_plan(model, _plan(spec, device, swapped, stages, schedule), spec.tail_modules, str(path),
+    plan = _plan(spec, device, swapped, stages, schedule, keep_resident)
+    placement = place_by_plan(model, plan, spec.tail_modules, str(path),
                               dtype=torch.bfloat16 if device != "cpu" else torch.float32, on_weight=quantise)
     lora = attach_lora(model, targets, rank=2, alpha=2.0)
     g = torch.Generator().manual_seed(3)
@@ -74,7 +79,9 @@ def _trained_step(spec, path, device: str, mode: str, swapped: list[int], emulat
         for _, a in lora.items():
             a.B.copy_(0.3 * torch.randn(a.B.shape, generator=g).to(a.B))
     guard_inplace_residuals(model, include_rms=False)
-    checkpoint_blocks(model, block_paths)
+    recomputed = recomputed_paths(plan, spec, block_paths)                  # what training checkpoints
+    assert recomputed == ([spec.blocks[i].path for i in sorted(swapped)] if keep_resident else block_paths)
+    checkpoint_blocks(model, recomputed)
 
     def micro_batch(seed: int) -> dict:
         inputs = cm.flux2_inputs(model, height_latent=4, width_latent=4, txt_tokens=6, seed=seed)
@@ -98,11 +105,15 @@ def _swapped_bytes(placement) -> dict[str, torch.dtype]:
     return out
 
 
-def _check_equal_and_8bit(spec, path, device, mode, emulate, stages: int = 1, schedule: str = "gpipe"):
+def _check_equal_and_8bit(spec, path, device, mode, emulate, stages: int = 1, schedule: str = "gpipe",
+                          keep_resident: bool = False):
+    """Swapped vs resident 8-bit blocks: the same LoRA gradients; with `keep_resident` the swapped run
+    recomputes only its swapped blocks (recompute auto's choice), the resident one every block."""
     n = len(spec.blocks)
     swapped = [0, n // 2, n - 1]
     resident, _, _ = _trained_step(spec, path, device, mode, [], emulate, stages, schedule)
-    streamed, placement, quantise = _trained_step(spec, path, device, mode, swapped, emulate, stages, schedule)
+    streamed, placement, quantise = _trained_step(spec, path, device, mode, swapped, emulate, stages, schedule,
+                                                  keep_resident)
     assert len(placement.layout.stage_blocks()) == stages
     assert quantise.layers == sum(len(b.linears) for b in spec.blocks)
     assert resident.keys() == streamed.keys()
@@ -133,9 +144,11 @@ def test_swapped_8bit_blocks_give_the_resident_8bit_gradients_on_cpu(tmp_path, c
 def test_swapped_8bit_blocks_split_over_two_devices_and_pipelined_give_the_resident_gradients(tmp_path, comfy, mode,
                                                                                               schedule):
     """The split and pipelined paths: two stages (two CPU devices), each swapping some of its blocks, two
-    micro-batches running through both stages at once in the schedule's order."""
+    micro-batches running through both stages at once in the schedule's order; once with every block
+    recomputed in backward, once with only the swapped ones (the resident blocks keep their activations)."""
     spec, path = _tiny_file(tmp_path)
     _check_equal_and_8bit(spec, path, "cpu", mode, emulate=True, stages=2, schedule=schedule)
+    _check_equal_and_8bit(spec, path, "cpu", mode, emulate=True, stages=2, schedule=schedule, keep_resident=True)
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU with 8-bit tensor cores")
