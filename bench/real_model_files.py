@@ -1,11 +1,13 @@
 """Full-size FLUX.2 [klein] 9B model files with random weights, in the layouts ComfyUI loads.
 
-Writes into a ComfyUI models folder, under the names `python -m ugpum download flux2-klein-9b` uses
+Writes into a ComfyUI models folder, under the names `python -m ugpum download klein-9b-1024` uses
 (ugpum/models_catalog.py), so the stock loaders and UGPUM's Loader find them as they would the real ones:
 
-* ``diffusion_models/flux-2-klein-9b.safetensors`` — the DiT, bf16, bare keys as in BFL's and
-  Comfy-Org's files (``double_blocks.0.img_attn.qkv.weight`` ...; q/k norms as ``.scale``), shapes
-  from ComfyUI's own ``Flux`` module built on the meta device (comfy_bridge.build_meta): 16.9 GiB;
+* ``diffusion_models/flux-2-klein-base-9b.safetensors`` — the DiT the klein profiles train on (the base
+  model), hard-linked as ``flux-2-klein-9b.safetensors`` (the distilled DiT the workflow renders with: the
+  same layout; random weights either way), bf16, bare keys as in BFL's and Comfy-Org's files
+  (``double_blocks.0.img_attn.qkv.weight`` ...; q/k norms as ``.scale``), shapes from ComfyUI's own
+  ``Flux`` module built on the meta device (comfy_bridge.build_meta): 16.9 GiB;
 * ``text_encoders/qwen_3_8b_fp8mixed.safetensors`` — Qwen3-8B as ComfyUI's CLIPLoader (type
   ``flux2``) detects it for klein 9B (``comfy.sd.detect_te_model``: ``model.layers.0.
   post_attention_layernorm.weight`` of width 4096 with ``self_attn.q_norm`` -> QWEN3_8B -> ``klein_te``),
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -38,7 +41,8 @@ sys.path.insert(0, str(REPO))
 from ugpum.formats.safetensors_writer import write_streaming  # noqa: E402
 
 GIB = 1024 ** 3
-DIT_FILE = "diffusion_models/flux-2-klein-9b.safetensors"
+DIT_FILE = "diffusion_models/flux-2-klein-base-9b.safetensors"
+INFERENCE_DIT_FILE = "diffusion_models/flux-2-klein-9b.safetensors"
 TE_FILE = "text_encoders/qwen_3_8b_fp8mixed.safetensors"
 VAE_FILE = "vae/flux2-vae.safetensors"
 
@@ -146,6 +150,9 @@ def main(argv=None) -> None:
             shapes = dit_shapes() if what == "dit" else te_shapes()
             write_streaming(path, shapes, random_maker(0 if what == "dit" else 1, dev))
         print(f"wrote {path} ({path.stat().st_size / GIB:.2f} GiB) in {time.time() - t0:.1f} s", flush=True)
+        if what == "dit":
+            (args.models / INFERENCE_DIT_FILE).unlink(missing_ok=True)
+            os.link(path, args.models / INFERENCE_DIT_FILE)
 
 
 if __name__ == "__main__":
