@@ -166,19 +166,18 @@ def main(argv=None) -> int:
         f.write(json.dumps(row) + "\n")
     print(json.dumps(row))
     if a.speed_rows:
-        speed = speed_row(a, row, plans[-1] if plans else None, out)
+        speed = speed_row(a, row, plans[-1] if plans else None)
         with open(a.speed_rows, "a") as f:
             f.write(json.dumps(speed) + "\n")
         print(json.dumps(speed))
     return rc
 
 
-def speed_row(a, row: dict, plan, out: Path) -> dict:
+def speed_row(a, row: dict, plan) -> dict:
     """Issue 23's row for the user's path beside `peer_reference` rows: the median s/step of steps 5 and
-    later from the run's own metrics.jsonl (compile and warm-up excluded), with the clocks it ran at."""
-    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()] \
-        if (out / "metrics.jsonl").exists() else []
-    timed = [s["seconds"] for s in steps[4:]]
+    later of the run's own metrics.jsonl (the case row's step_seconds; compile and warm-up excluded), with
+    the clocks it ran at."""
+    timed = row["step_seconds"][4:]
     return {"model": row["model"], "impl": "ugpum_cli", "mode": row["base_compute"], "compiled": a.compile == "on",
             "recompute": a.recompute, "kept_blocks": len(plan.kept_activations) if plan else None,
             "card_gib": a.card_gib, "s_per_step": round(statistics.median(timed), 4) if timed else None,

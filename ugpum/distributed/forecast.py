@@ -128,9 +128,11 @@ def forecast_distributed(spec, node_devices: list[Device], w, grad_accum: int, n
     plan = distributed_plan(spec, devices, w, per_replica, schedule)
     extra = every_stage_bytes(spec, w)
     held = [rank_stages(schedule, r, stages) for r in range(stages)]
-    # a rank's stages share its GPU and its copy of the small embedders (which the first stage has anyway)
-    rank_gib = [sum(plan.stages[i].forecast_gib for i in mine) + (0.0 if 0 in mine else extra / GIB) for mine in held]
-    budget_gib = [sum(plan.stages[i].budget_gib for i in mine) + (0.0 if 0 in mine else extra / GIB) for mine in held]
+    # a rank's stages share its GPU and its copy of the small embedders (which the first stage has anyway;
+    # stage_slots set it aside from the other ranks' stages)
+    aside = [0.0 if 0 in mine else extra / GIB for mine in held]
+    rank_gib = [sum(plan.stages[i].forecast_gib for i in mine) + a for mine, a in zip(held, aside)]
+    budget_gib = [sum(plan.stages[i].budget_gib for i in mine) + a for mine, a in zip(held, aside)]
     # the hidden state (and its gradient) over each machine boundary inside one pipeline
     owner = {i: r for r, mine in enumerate(held) for i in mine}
     crossings = sum(owner[i] // g != owner[i + 1] // g for i in range(len(plan.stages) - 1))
