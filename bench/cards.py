@@ -22,6 +22,7 @@ import io
 import json
 import os
 import re
+import resource
 import shlex
 import statistics
 import subprocess
@@ -87,6 +88,77 @@ def record_plans(kept: list):
             module.plan_training = recorded
 
 
+class BlockMemory:
+    """What each block keeps for its backward, read off the allocator in the real run: at every block's
+    forward pre-hook of a training step (grad on; validation runs without grad, and checkpointed blocks
+    recompute without module hooks) the bytes allocated on cuda:0, and after the last block. The difference
+    between two blocks' readings is what the first one left alive for backward (its saved tensors, its
+    output). Each step's first block also reads and resets the allocator's peaks, so every step's peak
+    (forward, backward, optimizer) is kept apart; `peaks()` is the whole run's."""
+
+    def __init__(self):
+        self.steps: list[dict] = []
+        self.peak_allocated = self.peak_reserved = 0
+
+    def attach(self, model, spec) -> None:
+        paths = [b.path for b in spec.blocks]
+        for i, path in enumerate(paths):
+            model.get_submodule(path).register_forward_pre_hook(lambda m, a, i=i: self._pre(i))
+        model.get_submodule(paths[-1]).register_forward_hook(lambda m, a, out: self._pre(len(paths)))
+
+    def _take_peaks(self) -> tuple[int, int]:
+        allocated, reserved = torch.cuda.max_memory_allocated(0), torch.cuda.max_memory_reserved(0)
+        self.peak_allocated, self.peak_reserved = max(self.peak_allocated, allocated), max(self.peak_reserved, reserved)
+        torch.cuda.reset_peak_memory_stats(0)
+        return allocated, reserved
+
+    def _pre(self, i: int) -> None:
+        if not torch.is_grad_enabled() or not torch.cuda.is_available():
+            return
+        if i == 0:
+            if self.steps:
+                self.steps[-1]["peak_allocated"], self.steps[-1]["peak_reserved"] = self._take_peaks()
+            else:
+                self._take_peaks()
+            self.steps.append({"at_block": []})
+        self.steps[-1]["at_block"].append(torch.cuda.memory_allocated(0))
+
+    def peaks(self) -> tuple[float, float]:
+        """(allocated, reserved) peaks of the whole run so far, in GiB."""
+        if torch.cuda.is_available():
+            self._take_peaks()
+        return self.peak_allocated / GIB, self.peak_reserved / GIB
+
+    def summary(self) -> dict:
+        """Per block, the bytes it left alive in the forward of the third measured step (compile and
+        warm-up done), in MiB, with each step's peaks in GiB."""
+        done = [s for s in self.steps if "peak_allocated" in s]
+        chosen = done[2] if len(done) > 2 else (done[-1] if done else None)
+        if chosen is None:
+            return {}
+        at = chosen["at_block"]
+        return {"block_kept_mib": [round((b - a) / 2**20, 1) for a, b in zip(at, at[1:])],
+                "forward_start_gib": round(at[0] / GIB, 3),
+                "step_peak_allocated_gib": [round(s["peak_allocated"] / GIB, 3) for s in done],
+                "step_peak_reserved_gib": [round(s["peak_reserved"] / GIB, 3) for s in done]}
+
+
+def measure_blocks(meter: BlockMemory) -> None:
+    """Attach `meter` to the model the single-process engine prepares (after LoRA, compile, checkpointing)."""
+    from ugpum.train import stepper
+    original = stepper.LocalStepper.prepare
+
+    def prepare(self, cfg, spec, plan, model, key_prefix, log):
+        original(self, cfg, spec, plan, model, key_prefix, log)
+        meter.attach(self.model, spec)
+    stepper.LocalStepper.prepare = prepare
+
+
+def host_peak_gib() -> float:
+    """This process's peak resident host memory (ru_maxrss is in KiB on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
 class Clock:
     """nvidia-smi sampling SM clock (MHz) and power (W) every 250 ms while the run trains."""
 
@@ -138,6 +210,10 @@ def main(argv=None) -> int:
     p.add_argument("--rows", required=True, help="JSON lines file the case's row is appended to")
     p.add_argument("--work", required=True, help="a scratch folder for the run's config and output")
     p.add_argument("--label", default="")
+    p.add_argument("--choice", default="", choices=["", "planner", "neighbour"],
+                   help="issue 29's calibration rows: the planner's own pick, or a neighbour of it (--variant)")
+    p.add_argument("--variant", default="", help="a neighbour of the planner's pick: kept+N, kept-N, swapped+N, "
+                                                 "swapped-N or other-base")
     p.add_argument("--speed-rows", help="also append issue 23's `impl: ugpum_cli` row (bench/results/speed.json's "
                                         "fields) to this JSON lines file")
     p.add_argument("--call", default="", help="which GPU run the speed row belongs to (the peer's --call)")
@@ -149,6 +225,8 @@ def main(argv=None) -> int:
     cap_card(a.card_gib)
     plans: list = []
     record_plans(plans)
+    meter = BlockMemory()
+    measure_blocks(meter)
     from ugpum.commands import main as ugpum_main
     argv_train = ["train", "--config", str(config), "--model", a.model_file, "--dataset", a.dataset,
                   "--out", str(out), "--overwrite"]
@@ -156,7 +234,7 @@ def main(argv=None) -> int:
     with contextlib.redirect_stdout(tee):
         rc = ugpum_main(argv_train)
     clocks = clock.stop()
-    row = case_row(a, rc, plans, out, tee.kept.getvalue(), clocks)
+    row = case_row(a, rc, plans, out, tee.kept.getvalue(), clocks, meter)
     row.update(wall_s=round(time.time() - started, 1),
                command="python bench/cards.py " + " ".join(shlex.quote(x) for x in (argv or sys.argv[1:])),
                cli=" ".join(["python -m ugpum", *argv_train]),
@@ -186,8 +264,9 @@ def speed_row(a, row: dict, plan) -> dict:
             "rc": row["rc"], "call": a.call, "label": a.label, "command": row["cli"]}
 
 
-def case_row(a, rc: int, plans: list, out: Path, log: str, clocks: dict) -> dict:
+def case_row(a, rc: int, plans: list, out: Path, log: str, clocks: dict, meter: BlockMemory) -> dict:
     plan = plans[-1] if plans else None
+    peak_allocated, peak_reserved = meter.peaks()
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()] \
         if (out / "metrics.jsonl").exists() else []
     timed = [s["seconds"] for s in steps[2:]]
@@ -199,7 +278,12 @@ def case_row(a, rc: int, plans: list, out: Path, log: str, clocks: dict) -> dict
         "resolution": a.resolution, "frames": a.frames, "steps": len(steps),
         "s_per_step": round(statistics.median(timed), 4) if timed else None,
         "step_seconds": [round(s["seconds"], 4) for s in steps],
-        "peak_gib": round(torch.cuda.max_memory_allocated(0) / GIB, 3) if torch.cuda.is_available() else None,
+        "recompute": a.recompute, "kept_blocks": len(plan.kept_activations) if plan else None,
+        "peak_gib": round(peak_allocated, 3) if torch.cuda.is_available() else None,
+        "peak_reserved_gib": round(peak_reserved, 3) if torch.cuda.is_available() else None,
+        "host_peak_gib": round(host_peak_gib(), 3),
+        "forecast_host_gib": getattr(plan, "forecast_host_gib", None),
+        "detail_gib": plan.stages[0].detail_gib if plan else None,
         "budget_gib": plan.stages[0].budget_gib if plan else None,
         "forecast_s": round(plan.predicted_step_s, 4) if plan else None,
         "forecast_gib": plan.stages[0].forecast_gib if plan else None,
@@ -210,7 +294,7 @@ def case_row(a, rc: int, plans: list, out: Path, log: str, clocks: dict) -> dict
         "losses": [round(s["loss"], 4) for s in steps],
         "validation_before": float(found["before"][-1]) if found["before"] else None,
         "validation_after": float(found["after"][-1]) if found["after"] else None,
-        **clocks,
+        **clocks, **meter.summary(),
     }
 
 
