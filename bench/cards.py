@@ -53,22 +53,28 @@ class Tee(io.TextIOBase):
         self.stream.flush()
 
 
+DETECTED: list = []       # the devices the run was planned for (rate and link: what the forecast assumed)
+
+
 def cap_card(card_gib: float | None):
     """Cap cuda:0's allocator at the card's memory minus its CUDA context; `detect_devices` then reports
     that card (same speed and link as the real GPU, the card's memory). None: unconstrained."""
     import ugpum.devices as devices
     from ugpum.plan import CUDA_CONTEXT
-    if card_gib is None:
-        return
-    budget = card_gib * GIB - CUDA_CONTEXT
-    total = torch.cuda.get_device_properties(0).total_memory
-    torch.cuda.set_per_process_memory_fraction(budget / total, 0)
     real = devices.detect_devices
+    budget = None
+    if card_gib is not None:
+        budget = card_gib * GIB - CUDA_CONTEXT
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(budget / total, 0)
 
     def detect_capped(probe: bool = True):
         found = real(probe=probe)
-        return [dataclasses.replace(found[0], label=f"{found[0].label} as a {card_gib:g} GiB card",
-                                    total_bytes=int(card_gib * GIB), free_bytes=int(budget))] + found[1:]
+        if budget is not None:
+            found = [dataclasses.replace(found[0], label=f"{found[0].label} as a {card_gib:g} GiB card",
+                                         total_bytes=int(card_gib * GIB), free_bytes=int(budget))] + found[1:]
+        DETECTED[:] = found
+        return found
     devices.detect_devices = detect_capped
 
 
@@ -257,7 +263,8 @@ def speed_row(a, row: dict, plan) -> dict:
     the clocks it ran at."""
     timed = row["step_seconds"][4:]
     return {"model": row["model"], "impl": "ugpum_cli", "mode": row["base_compute"], "compiled": a.compile == "on",
-            "recompute": a.recompute, "kept_blocks": len(plan.kept_activations) if plan else None,
+            "compile": a.compile, "choice": a.choice, "variant": a.variant,
+        "recompute": a.recompute, "kept_blocks": len(plan.kept_activations) if plan else None,
             "card_gib": a.card_gib, "s_per_step": round(statistics.median(timed), 4) if timed else None,
             "timed_steps": len(timed), "peak_gib": row["peak_gib"], "sm_clock_mhz": row.get("sm_clock_mhz_median"),
             "power_w": row.get("power_w_median"), "forecast_s": row["forecast_s"], "forecast_gib": row["forecast_gib"],
@@ -278,6 +285,7 @@ def case_row(a, rc: int, plans: list, out: Path, log: str, clocks: dict, meter: 
         "resolution": a.resolution, "frames": a.frames, "steps": len(steps),
         "s_per_step": round(statistics.median(timed), 4) if timed else None,
         "step_seconds": [round(s["seconds"], 4) for s in steps],
+        "compile": a.compile, "choice": a.choice, "variant": a.variant,
         "recompute": a.recompute, "kept_blocks": len(plan.kept_activations) if plan else None,
         "peak_gib": round(peak_allocated, 3) if torch.cuda.is_available() else None,
         "peak_reserved_gib": round(peak_reserved, 3) if torch.cuda.is_available() else None,
@@ -290,6 +298,8 @@ def case_row(a, rc: int, plans: list, out: Path, log: str, clocks: dict, meter: 
         "swapped_blocks": len(plan.offloaded_blocks) if plan else None,
         "offloaded_blocks": list(plan.offloaded_blocks) if plan else None,
         "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+        "device_tflops": round(DETECTED[0].tflops_bf16, 1) if DETECTED else None,
+        "device_host_gbps": round(DETECTED[0].host_gbps, 1) if DETECTED else None,
         "swap_gib_per_step": round(plan.swap_bytes_per_step / GIB, 2) if plan else None,
         "losses": [round(s["loss"], 4) for s in steps],
         "validation_before": float(found["before"][-1]) if found["before"] else None,

@@ -122,6 +122,12 @@ CPU_TFLOPS_BF16 = 1.0
 CPU_MEMCPY_GBPS = 20.0  # one pageable memcpy stream in host RAM
 
 
+# What a card described by hand is assumed to lose to the desktop: a card that drives a display holds the
+# compositor's and the browser's buffers (about 0.3-1 GiB on Linux and Windows desktops). A detected GPU needs
+# no guess: its free memory is read at start.
+DESKTOP_BYTES = GIB // 2
+
+
 @dataclass
 class Device:
     label: str  # what the user sees: "cuda:0 NVIDIA H200", "rtx4090", "16GiB"
@@ -138,6 +144,8 @@ class Device:
     pcie_width_max: int | None = None
     pcie_width_now: int | None = None
     pci_bus_id: str | None = None
+    desktop_bytes: int = 0  # what the desktop and other programs keep on a card described by hand
+    speed_source: str = ""  # where tflops_bf16 comes from, in words (what the forecast assumes)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -183,14 +191,15 @@ def parse_device_spec(spec: str, probe: bool = True) -> Device:
         preset = PRESETS[base]
         link = link or preset["link"]
         return _hand_described(spec.strip(), preset["memory_bytes"], preset["tflops_bf16"], link,
-                               preset["compute_capability"])
+                               preset["compute_capability"], f"the {base} spec sheet's")
 
     size = _SIZE.match(base)
     if size:
         total = int(float(size[1]) * GIB)
         if not 2 * GIB <= total <= 1024 * GIB:      # below 2 GiB the CUDA context and workspace leave nothing
             raise ValueError(f"device spec {spec!r}: a GPU's memory must be from 2 to 1024 GiB (e.g. 16GiB)")
-        return _hand_described(spec.strip(), total, REFERENCE_TFLOPS, link or REFERENCE_LINK)
+        return _hand_described(spec.strip(), total, REFERENCE_TFLOPS, link or REFERENCE_LINK,
+                               speed=f"an RTX 4090's (a bare size; name the card, e.g. rtx4060ti-16g, for its own)")
 
     raise ValueError(_spec_help(spec))
 
@@ -251,11 +260,12 @@ def _spec_help(spec: str) -> str:
 
 
 def _hand_described(label: str, total: int, tflops: float, link: str,
-                    capability: tuple[int, int] | None = None) -> Device:
+                    capability: tuple[int, int] | None = None, speed: str = "") -> Device:
     """A card described by hand; a bare size (no capability given) is planned as the reference card."""
     return Device(label=label, torch_device=None, total_bytes=total, free_bytes=total,
                   tflops_bf16=tflops, host_gbps=LINKS[link], link=link,
-                  compute_capability=capability or PRESETS["rtx4090"]["compute_capability"])
+                  compute_capability=capability or PRESETS["rtx4090"]["compute_capability"],
+                  desktop_bytes=DESKTOP_BYTES, speed_source=speed)
 
 
 def _detected_by_index(spec: str, index: int, probe: bool) -> Device:
@@ -482,10 +492,12 @@ def _describe_cuda_device(index: int, nvml_links: dict[str, dict], probe: bool) 
     preset = preset_for_name(props.name)
 
     tflops = preset["tflops_bf16"] if preset else REFERENCE_TFLOPS
+    speed = "its spec sheet's" if preset else "an RTX 4090's (not measured, no preset for this card)"
     host_gbps = link_gbps(link)
     if probe:
         try:
             tflops = cached_matmul_tflops(props.name, lambda: measure_matmul_tflops(index))
+            speed = f"measured here (cached in {_rates_file()})"
             host_gbps = measure_host_gbps(index)
         except Exception as err:  # out of memory, pinning refused: keep the table values
             log.warning("cuda:%d probe failed, using table values: %s", index, err)
@@ -505,6 +517,7 @@ def _describe_cuda_device(index: int, nvml_links: dict[str, dict], probe: bool) 
         pcie_width_max=nvml.get("width_max"),
         pcie_width_now=nvml.get("width_now"),
         pci_bus_id=bus_id,
+        speed_source=speed,
     )
 
 
@@ -524,6 +537,13 @@ def preset_for_name(name: str) -> dict | None:
         if key == preset_name.split("-")[0]:
             return preset
     return None
+
+
+def speed_assumed(device: Device) -> str:
+    """The rate and host link a forecast takes for `device`, and where each comes from, in words."""
+    source = f", {device.speed_source}" if device.speed_source else ""
+    return (f"{device.tflops_bf16:.0f} TFLOP/s bf16{source}; host link {device.link} at "
+            f"{device.host_gbps:.0f} GB/s")
 
 
 # ---------------------------------------------------------------------------------------------

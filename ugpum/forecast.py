@@ -52,7 +52,8 @@ def format_plan(plan: Plan) -> str:
     if plan.grad_accum > 1:
         lines.append(f"micro-batch schedule: {plan.schedule} ({plan.in_flight} micro-batch"
                      f"{'es' if plan.in_flight > 1 else ''} of activations held per stage)")
-    lines += [speed_line(plan), recompute_line(plan), "", plan.verdict, *alternatives_text(plan)]
+    lines += [speed_line(plan), recompute_line(plan), host_line(plan), *(f"assumed: {a}" for a in plan.assumed),
+              "", plan.verdict, *alternatives_text(plan)]
     from .text_encoder_split import forecast_line
     text_encoder = forecast_line(plan)
     if text_encoder:
@@ -80,6 +81,13 @@ def speed_line(plan: Plan) -> str:
         return ("CPU run: no step-time forecast (the planner forecasts GPUs; on the CPU only the tiny test "
                 "models train, in seconds)")
     return f"predicted: {plan.predicted_step_s:.2f} s/step ({assumptions(plan)})"
+
+
+def host_line(plan: Plan) -> str:
+    """The host memory the run needs at its peak, with the pinned copies of swapped blocks in it."""
+    pinned = plan.swap_bytes_per_step / 2 / max(plan.grad_accum, 1) / GIB
+    held = f", {pinned:.1f} of it pinned copies of the swapped blocks" if pinned else ""
+    return f"host memory: {plan.forecast_host_gib:.1f} GiB at the peak of training{held}"
 
 
 def recompute_line(plan: Plan) -> str:

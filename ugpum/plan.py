@@ -8,16 +8,21 @@ from functools import lru_cache
 
 from . import cost
 from .arch.base import ACT_BYTES, WEIGHT_BYTES, ArchSpec, Workload
-from .devices import Device, gpu_to_gpu_gbps
+from .devices import Device, gpu_to_gpu_gbps, speed_assumed
 from .schedules import best_schedule, in_flight as held_in_flight
 from .wording import setting
 
 GIB = cost.GIB
 MIB = 1024 ** 2
-# Memory no plan may use: cuBLAS/attention workspaces and allocator fragmentation.
-WORKSPACE_RESERVE = 0.75 * GIB
-# A hand-described card's total includes what the CUDA context takes before training starts.
-CUDA_CONTEXT = 0.5 * GIB
+# A hand-described card's total includes what the CUDA context takes before training starts (an H100
+# with torch 2.11: 0.64 GiB of the process's use outside PyTorch's allocator, bench/results/calibration_fit.jsonl
+# fit-8's out-of-memory message). cuBLAS and attention workspaces come from the allocator, so the forecast
+# counts them (cost.block_peak_extra_bytes), and the allocator's own slack too (cost.allocator_bytes).
+CUDA_CONTEXT = 0.64 * GIB
+# The share of a device's usable memory a plan leaves free: the allocator's slack varies between runs and
+# steps (the 8 GiB card's first step reserved 0.76 GiB beyond its allocations, its second step 0.83 GiB and
+# more, bench/results/calibration_fit.jsonl), and a forecast at the very edge must not decide a run.
+HEADROOM = 0.03
 MAX_MICRO_BATCHES = 8
 
 
@@ -61,6 +66,8 @@ class Plan:
     alternatives: list[dict] = field(default_factory=list)   # 8-bit plans shown when bf16 needs swap
     recompute: str = "all"              # the setting this plan was made for (ugpum.arch.base.RECOMPUTE_SETTINGS)
     recompute_saved_s: float = 0.0      # seconds per step the kept activations save against recompute all
+    forecast_host_gib: float = 0.0      # the process's peak host memory (pinned swap copies included)
+    assumed: list[str] = field(default_factory=list)   # per device: the memory, speed and link the forecast takes
 
     @property
     def kept_activations(self) -> list[int]:
@@ -71,9 +78,28 @@ class Plan:
         return dict(dataclasses.asdict(self), kept_activations=self.kept_activations)
 
 
+def usable_bytes(device: Device) -> float:
+    """What training can have of `device`: a detected GPU's free memory (read with its CUDA context made,
+    and with whatever the desktop holds at that moment); a card described by hand, its total less the
+    CUDA context and what the desktop keeps (`Device.desktop_bytes`)."""
+    if device.torch_device is not None:
+        return device.free_bytes
+    return device.free_bytes - CUDA_CONTEXT - device.desktop_bytes
+
+
 def budget_bytes(device: Device) -> float:
-    context = CUDA_CONTEXT if device.torch_device is None else 0.0
-    return device.free_bytes - context - WORKSPACE_RESERVE
+    """What a plan may fill on `device`: its usable memory less the headroom."""
+    return usable_bytes(device) * (1 - HEADROOM)
+
+
+def memory_assumed(device: Device) -> str:
+    """How the plan reads `device`'s memory, in words."""
+    if device.torch_device is not None:
+        what = f"{device.free_bytes / GIB:.1f} GiB free when planned"
+    else:
+        what = (f"{device.total_bytes / GIB:g} GiB less {CUDA_CONTEXT / GIB:.2f} for the CUDA context and "
+                f"{device.desktop_bytes / GIB:g} for the desktop")
+    return f"{what}, {HEADROOM:.0%} left free: a budget of {budget_bytes(device) / GIB:.1f} GiB"
 
 
 class StageCosts:
@@ -87,6 +113,7 @@ class StageCosts:
         # per block, indexed by whether it is recomputed in backward (False: it keeps its activations)
         self.kept = {r: [cost.block_activation_bytes(spec, b, w, r) for b in spec.blocks] for r in (False, True)}
         self.extra = {r: [cost.block_peak_extra_bytes(spec, b, w, r) for b in spec.blocks] for r in (False, True)}
+        self.allocator = cost.allocator_bytes(spec, w)
         # recompute = auto keeps the largest savings first (the same order on every device: seconds scale
         # with 1 / its rate), among equal savings (FLUX.2's double and single blocks) the fewest bytes first
         saving = [cost.recompute_seconds(spec, b, w, 1.0) for b in spec.blocks]
@@ -112,6 +139,7 @@ class StageCosts:
         first, last = k == 0, k == len(self.devices) - 1
         resident = [i for i in range(a, b) if i not in offloaded]
         kept = self.fixed_kept(a, b) if kept is None else kept
+        busy = b > a or first or last
         mem = {
             "weights": sum(self.weight[i] for i in resident)
             + (self.head if first else 0) + (self.tail if last else 0),
@@ -119,7 +147,8 @@ class StageCosts:
             "lora": sum(self.lora[a:b]),
             "activations": self.in_flight * sum(self._each(self.kept, kept, a, b))
             + max(self._each(self.extra, kept, a, b), default=0)
-            + (self.spec.shared_input_bytes(self.w) + 2 * self.hidden if b > a or first or last else 0),
+            + (self.spec.shared_input_bytes(self.w) + 2 * self.hidden if busy else 0),
+            "allocator": self.allocator if busy else 0,
         }
         return mem
 
@@ -297,7 +326,9 @@ def _solve(spec: ArchSpec, devices: list[Device], w: Workload, grad_accum: int, 
     m = min(max(grad_accum, 1), MAX_MICRO_BATCHES)
     predicted = min(step_s["sequential"][m - 1], step_s["pipelined"][m - 1])
     recomputing, _, _ = _step_times(ev, all_recomputed)
+    pinned = sum(ev.weight[i] for i in offloaded)
     return dict(stages=stages, offloaded_blocks=offloaded, boundary_mib=round(ev.hidden / MIB, 2),
+                forecast_host_gib=round(cost.host_bytes(spec, pinned) / GIB, 2),
                 crossing_bytes_per_step=per_mb_crossing * grad_accum + shared,
                 swap_bytes_per_step=2 * sum(ev.weight[i] for i in offloaded) * grad_accum,
                 step_s=step_s, predicted_step_s=predicted, recompute=w.recompute,
@@ -326,7 +357,9 @@ def make_plan(spec: ArchSpec, devices: list[Device], w: Workload, grad_accum: in
     workload = dict(dataclasses.asdict(w), checkpointing=w.recompute != "none")
     plan = Plan(model=spec.id, workload=workload, grad_accum=grad_accum,
                 block_paths=[b.path for b in spec.blocks], swap_forecast=swap, verdict="",
-                base_compute=w.base_compute, **solved)
+                base_compute=w.base_compute, **solved,
+                assumed=[f"{d.label}: {memory_assumed(d)}; {speed_assumed(d)}" for d in devices
+                         if d.torch_device != "cpu"])
     plan.verdict = verdict(plan, devices)
     return plan
 

@@ -37,7 +37,7 @@ def make_spec(id: str, dim: int, blocks: int, ffn: int, text_dim: int, head_dim:
     tail = dim * 4 * in_dim + 2 * dim                         # head.head + head.modulation
     return ArchSpec(id=id, family=FAMILY, title=title, hidden=dim, heads=dim // head_dim, blocks=specs,
                     head_params=head, tail_params=tail, context_dim=text_dim, ffn=ffn, tail_modules=("head",),
-                    timestep_scale=1000.0, notes=notes)
+                    timestep_scale=1000.0, stream_bytes=4, notes=notes)
 
 
 def spec(id: str) -> ArchSpec:

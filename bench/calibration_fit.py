@@ -1,0 +1,245 @@
+"""The planner's coefficients (ugpum/calibration.json), fitted to runs of `python -m ugpum train` on a GPU
+(issue 29): the rows bench/cards.py writes, with what each block kept read off the allocator.
+
+    python bench/calibration_fit.py                  # print the coefficients and each row's forecast error
+    python bench/calibration_fit.py --write          # and write ugpum/calibration.json
+
+Rows: bench/results/calibration_fit.jsonl (`bash bench/calibration_session.sh OUT fit fitwan` on the device).
+
+Memory, in units of the hidden state between two blocks (ArchSpec.boundary_bytes; for a row whose blocks were
+recomputed, the unit is what such a block left alive, which is its output: this reads the tokens the dataset's
+buckets really had):
+- kept[kind]: what a block that keeps its activations leaves alive, the median over the blocks of that kind
+  (the first block and the last before another kind are left out: they also hold the stream's start or join);
+- recompute_work / keep_work: the step's peak allocated less everything counted (weights, swap slots, LoRA
+  state, shared inputs, every block's kept bytes as measured), in rows where some block is recomputed / none
+  is: the working memory of the backward at the peak;
+- allocator: peak reserved less peak allocated, the largest of the family's rows.
+Time: the bf16 efficiency of compiled and eager blocks against the device's measured matmul rate (the row's
+device_tflops), the compiled 8-bit dense speeds, and a factor per family, each solved from the rows that
+alone determine it (no swap in them), in that order.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from ugpum import cost  # noqa: E402
+from ugpum.arch import Workload, get_spec  # noqa: E402
+
+GIB, MIB = 1024 ** 3, 1024 ** 2
+ROWS = ROOT / "bench" / "results" / "calibration_fit.jsonl"
+# Not measured with the 8-bit base run eagerly (compile off): the speeds recorded in bench/results/speed.md
+# (fp8 0.71 s and int8 1.00 s against bf16's 0.61 s, eager klein 9B on an H200), kept as they were.
+EAGER_DENSE_SPEED = {"bf16": 1.0, "fp8": 0.83, "int8": 0.56}
+
+
+def workload(row: dict) -> Workload:
+    eight_bit = row["base_compute"] in cost.EIGHT_BIT_MODES
+    return Workload(width=row["resolution"], height=row["resolution"], frames=row["frames"],
+                    rank=rank_of(row), compiled=row["compile"] != "off", base_compute=row["base_compute"],
+                    weight_dtype="fp8" if eight_bit else "bf16", recompute=row["recompute"])
+
+
+def rank_of(row: dict) -> int:
+    words = row["command"].split()
+    return int(words[words.index("--rank") + 1]) if "--rank" in words else 16
+
+
+def measured_unit(row: dict, spec, w: Workload) -> float:
+    """Bytes of one hidden state in this run: what a recomputed block left alive, else the spec's count."""
+    small = [m for m in row["block_kept_mib"] if m * MIB < 2 * spec.boundary_bytes(w)]
+    return statistics.median(small) * MIB if small else spec.boundary_bytes(w)
+
+
+def kept_blocks(row: dict, unit: float) -> list[int]:
+    return [i for i, m in enumerate(row["block_kept_mib"]) if m * MIB > 2 * unit]
+
+
+def kept_units(rows: list[dict]) -> dict:
+    """(family, mode) -> kind -> units a kept block leaves alive."""
+    found: dict = {}
+    for row in rows:
+        spec, w = get_spec(row["model"]), workload(row)
+        unit = measured_unit(row, spec, w)
+        kinds = [b.kind for b in spec.blocks]
+        for i in kept_blocks(row, unit):
+            inner = 0 < i < len(kinds) - 1 and kinds[i + 1] == kinds[i]
+            if inner:
+                key = (spec.family, "compiled" if w.compiled else "eager")
+                found.setdefault(key, {}).setdefault(kinds[i], []).append(row["block_kept_mib"][i] * MIB / unit)
+    return {key: {kind: round(statistics.median(v), 2) for kind, v in kinds.items()} for key, kinds in found.items()}
+
+
+def counted_bytes(row: dict, spec, w: Workload) -> float:
+    """Everything but the backward's working memory: the plan's weights, slots and LoRA state (the row's
+    detail), the shared inputs, and what each block left alive, as measured."""
+    d = row["detail_gib"]
+    static = (d["weights"] + d["swap_slots"] + d["lora"]) * GIB
+    return static + spec.shared_input_bytes(w) + 2 * spec.boundary_bytes(w) + sum(row["block_kept_mib"]) * MIB
+
+
+def work_units(rows: list[dict]) -> dict:
+    """(family, mode) -> {recompute_work, keep_work}: the backward's working memory at the peak, in units."""
+    found: dict = {}
+    for row in rows:
+        if row["steps"] < 3:                    # the first step has no optimizer moments yet
+            continue
+        spec, w = get_spec(row["model"]), workload(row)
+        unit = measured_unit(row, spec, w)
+        recomputed = len(kept_blocks(row, unit)) < len(spec.blocks)
+        work = (row["peak_gib"] * GIB - counted_bytes(row, spec, w)) / unit
+        key = (spec.family, "compiled" if w.compiled else "eager")
+        found.setdefault(key, {}).setdefault("recompute_work" if recomputed else "keep_work", []).append(work)
+    return {key: {name: round(max(v), 2) for name, v in works.items()} for key, works in found.items()}
+
+
+def allocator_units(rows: list[dict]) -> dict:
+    found: dict = {}
+    for row in rows:
+        spec, w = get_spec(row["model"]), workload(row)
+        slack = (row["peak_reserved_gib"] - row["peak_gib"]) * GIB / measured_unit(row, spec, w)
+        found.setdefault(spec.family, []).append(slack)
+    return {family: round(max(v), 2) for family, v in found.items()}
+
+
+def host_table(rows: list[dict]) -> dict:
+    """family -> GiB the process held at its peak beyond the pinned copies of its swapped blocks (the
+    largest of the family's rows)."""
+    found: dict = {}
+    for row in rows:
+        spec, w = get_spec(row["model"]), workload(row)
+        pinned = sum(cost.block_weight_bytes(spec.blocks[i], w) for i in row["offloaded_blocks"])
+        found.setdefault(spec.family, []).append(row["host_peak_gib"] - pinned / GIB)
+    return {family: round(max(v), 2) for family, v in found.items()}
+
+
+def memory_table(rows: list[dict]) -> dict:
+    """family -> mode -> {kept, recompute_work, keep_work}, and the allocator's slack per family. What no row
+    measured is filled and says so: a family's eager mode from its compiled one, scaled as FLUX.2's eager
+    blocks keep more than its compiled ones; a work term from the other one (a row that mixes kept and
+    recomputed blocks measures the larger of the two)."""
+    kept, work = kept_units(rows), work_units(rows)
+    table: dict = {}
+    for (family, mode), kinds in kept.items():
+        table.setdefault(family, {})[mode] = {"kept": kinds, **work.get((family, mode), {})}
+    flux = table.get("flux2", {})
+    scale = (statistics.mean(flux["eager"]["kept"][k] / flux["compiled"]["kept"][k] for k in flux["compiled"]["kept"])
+             if {"eager", "compiled"} <= set(flux) else 1.0)
+    for family, modes in table.items():
+        compiled = modes["compiled"]
+        for name, other in (("recompute_work", "keep_work"), ("keep_work", "recompute_work")):
+            if name not in compiled:
+                compiled[name] = compiled[other]
+                compiled["filled"] = compiled.get("filled", []) + [name]
+        eager = modes.setdefault("eager", {"kept": {k: round(v * scale, 2) for k, v in compiled["kept"].items()},
+                                           "filled": ["kept"]})
+        for name in ("recompute_work", "keep_work"):
+            if name not in eager:
+                eager[name] = round(compiled[name] * scale, 2)
+                eager["filled"] = eager.get("filled", []) + [name]
+    table["allocator"] = allocator_units(rows)
+    return table
+
+
+def flops(row: dict) -> tuple[float, float, float]:
+    """(dense, attention, seconds at 1 TFLOP/s and efficiency 1 in bf16) of the row's step."""
+    spec, w = get_spec(row["model"]), workload(row)
+    unit = measured_unit(row, spec, w)
+    kept = set(kept_blocks(row, unit))
+    dense = attention = 0.0
+    for i, block in enumerate(spec.blocks):
+        d, a = cost.block_train_flops_split(spec, block, w, i not in kept)
+        dense, attention = dense + d, attention + a
+    return dense, attention, (dense + attention) / 1e12
+
+
+def time_table(rows: list[dict]) -> dict:
+    timed = [r for r in rows if r["s_per_step"] and not r["offloaded_blocks"]]
+
+    def rate(r):                                # FLOP/s the row's device ran at the measured step
+        return r["device_tflops"] * 1e12 * r["s_per_step"]
+
+    def family(r):
+        return get_spec(r["model"]).family
+
+    def pick(mode, compiled, fam="flux2"):
+        return [r for r in timed if r["base_compute"] == mode and (r["compile"] != "off") == compiled
+                and family(r) == fam]
+    # bf16: t = (D + A) / (R eff)
+    eff = {c: statistics.mean(sum(flops(r)[:2]) / rate(r) for r in pick("bf16", c)) for c in (True, False)}
+    dense_speed = {"bf16": 1.0}
+    for mode in cost.EIGHT_BIT_MODES:           # t = (D / s + A) / (R eff)  ->  s = D / (t R eff - A)
+        got = [flops(r)[0] / (rate(r) * eff[True] - flops(r)[1]) for r in pick(mode, True)]
+        if got:
+            dense_speed[mode] = round(statistics.mean(got), 3)
+    families = {"flux2": 1.0}
+    for r in timed:
+        if family(r) != "flux2":
+            d, a, _ = flops(r)
+            families.setdefault(family(r), []).append(
+                (d / dense_speed[r["base_compute"]] + a) / (rate(r) * eff[r["compile"] != "off"]))
+    families = {k: (round(statistics.mean(v), 3) if isinstance(v, list) else v) for k, v in families.items()}
+    return {"compiled_efficiency": round(eff[True], 4), "eager_efficiency": round(eff[False], 4),
+            "compiled_dense_speed": dense_speed, "eager_dense_speed": EAGER_DENSE_SPEED, "family": families}
+
+
+def check(rows: list[dict]) -> list[str]:
+    """Each row against the forecast the fitted coefficients give, for the blocks the row kept."""
+    from ugpum.plan import StageCosts
+    from ugpum.devices import Device
+    lines = []
+    for row in rows:
+        spec, w = get_spec(row["model"]), workload(row)
+        device = Device("fit", None, 200 * GIB, 200 * GIB, row["device_tflops"], 50.0, "pcie5x16")
+        ev = StageCosts(spec, [device], w, 1)
+        unit = measured_unit(row, spec, w)
+        kept = tuple(kept_blocks(row, unit))
+        offloaded = tuple(row["offloaded_blocks"])
+        mem = ev._memory(0, 0, len(spec.blocks), offloaded, kept)
+        reserved = sum(mem.values()) / GIB
+        seconds = ev.seconds(0, 0, len(spec.blocks), offloaded, kept)
+        pinned = sum(ev.weight[i] for i in offloaded)
+        host = cost.host_bytes(spec, pinned) / GIB
+        err_m = reserved / row["peak_reserved_gib"] - 1
+        err_t = seconds / row["s_per_step"] - 1 if row["s_per_step"] else float("nan")
+        lines.append(f"{row['label']:24s} reserved {row['peak_reserved_gib']:7.2f} forecast {reserved:7.2f} "
+                     f"({err_m:+.1%})  s/step {row['s_per_step'] or float('nan'):.3f} forecast {seconds:.3f} ({err_t:+.1%})  "
+                     f"host {row['host_peak_gib']:.2f} forecast {host:.2f} ({host / row['host_peak_gib'] - 1:+.1%})")
+    return lines
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", default=str(ROWS))
+    p.add_argument("--write", action="store_true", help="write ugpum/calibration.json")
+    a = p.parse_args(argv)
+    rows = [json.loads(line) for line in Path(a.rows).read_text().splitlines() if line.strip()]
+    fitted = [r for r in rows if r.get("block_kept_mib")]
+    calibration = {
+        "about": "the planner's measured coefficients (ugpum/cost.py reads them); memory in hidden-state units "
+                 "(ArchSpec.boundary_bytes), time as shares of the device's measured bf16 matmul rate",
+        "made_by": "python bench/calibration_fit.py --write",
+        "rows": str(Path(a.rows).resolve().relative_to(ROOT)) if Path(a.rows).resolve().is_relative_to(ROOT) else a.rows,
+        "runs": sorted({f"{r['gpu']}, torch {r['torch']}" for r in fitted}),
+        "memory": memory_table(fitted),
+        "time": time_table(fitted),
+        "host": host_table(fitted),
+    }
+    cost.CALIBRATION = calibration
+    print(json.dumps(calibration, indent=1))
+    print("\n".join(check(fitted)))
+    if a.write:
+        cost.CALIBRATION_FILE.write_text(json.dumps(calibration, indent=1) + "\n")
+        print(f"wrote {cost.CALIBRATION_FILE.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
