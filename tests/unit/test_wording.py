@@ -24,7 +24,7 @@ def too_small() -> str:
     spec = get_spec("flux2-klein-9b")
     w = Workload(width=2048, height=2048, frames=1, batch=4, rank=16, recompute="all", weight_dtype="bf16")
     with pytest.raises(PlanError) as failed:
-        plan_training(spec, resolve_devices(["8GiB"], spec, probe=False), w)
+        plan_training(spec, resolve_devices(["10GiB"], spec, probe=False), w)
     return str(failed.value)
 
 
@@ -38,7 +38,7 @@ def test_the_planners_advice_names_settings_not_flags():
 
 
 def test_the_cli_prints_flags(capsys):
-    assert main(["plan", "--model", "flux2-klein-9b", "--gpu", "8GiB", "--resolution", "2048", "--batch", "4"]) == 2
+    assert main(["plan", "--model", "flux2-klein-9b", "--gpu", "10GiB", "--resolution", "2048", "--batch", "4"]) == 2
     said = capsys.readouterr().err
     assert "(--resolution 512)" in said and "{setting:" not in said
 
@@ -49,7 +49,7 @@ def test_the_planner_node_names_its_inputs(comfy):
     spec = get_spec("flux2-klein-9b")
     model = types.UGPUMModel(family="flux2", model_id=spec.id, title=spec.title, path="/nowhere.safetensors",
                              file_name="nowhere.safetensors", key_prefix="", stored_dtype="bf16", weight_dtype="bf16",
-                             devices=("8GiB",), spec=spec)
+                             devices=("10GiB",), spec=spec)
     with pytest.raises(UGPUMError) as failed:
         planner.PartitionPlanner.execute(model, resolution=2048, batch=4, grad_accum=1, rank=16, recompute="auto")
     said = str(failed.value)
