@@ -28,10 +28,11 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from ugpum import cost  # noqa: E402
 from ugpum.arch import Workload, get_spec  # noqa: E402
+from support import recorded_forecasts  # noqa: E402
 
 GIB, MIB = 1024 ** 3, 1024 ** 2
 ROWS = ROOT / "bench" / "results" / "calibration_fit.jsonl"
@@ -190,31 +191,6 @@ def time_table(rows: list[dict]) -> dict:
             "compiled_dense_speed": dense_speed, "eager_dense_speed": EAGER_DENSE_SPEED, "family": families}
 
 
-def check(rows: list[dict]) -> list[str]:
-    """Each row against the forecast the fitted coefficients give, for the blocks the row kept."""
-    from ugpum.plan import StageCosts
-    from ugpum.devices import Device
-    lines = []
-    for row in rows:
-        spec, w = get_spec(row["model"]), workload(row)
-        device = Device("fit", None, 200 * GIB, 200 * GIB, row["device_tflops"], 50.0, "pcie5x16")
-        ev = StageCosts(spec, [device], w, 1)
-        unit = measured_unit(row, spec, w)
-        kept = tuple(kept_blocks(row, unit))
-        offloaded = tuple(row["offloaded_blocks"])
-        mem = ev._memory(0, 0, len(spec.blocks), offloaded, kept)
-        reserved = sum(mem.values()) / GIB
-        seconds = ev.seconds(0, 0, len(spec.blocks), offloaded, kept)
-        pinned = sum(ev.weight[i] for i in offloaded)
-        host = cost.host_bytes(spec, pinned) / GIB
-        err_m = reserved / row["peak_reserved_gib"] - 1
-        err_t = seconds / row["s_per_step"] - 1 if row["s_per_step"] else float("nan")
-        lines.append(f"{row['label']:24s} reserved {row['peak_reserved_gib']:7.2f} forecast {reserved:7.2f} "
-                     f"({err_m:+.1%})  s/step {row['s_per_step'] or float('nan'):.3f} forecast {seconds:.3f} ({err_t:+.1%})  "
-                     f"host {row['host_peak_gib']:.2f} forecast {host:.2f} ({host / row['host_peak_gib'] - 1:+.1%})")
-    return lines
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", default=str(ROWS))
@@ -234,7 +210,7 @@ def main(argv=None) -> int:
     }
     cost.CALIBRATION = calibration
     print(json.dumps(calibration, indent=1))
-    print("\n".join(check(fitted)))
+    print("\n".join(recorded_forecasts.table()))
     if a.write:
         cost.CALIBRATION_FILE.write_text(json.dumps(calibration, indent=1) + "\n")
         print(f"wrote {cost.CALIBRATION_FILE.relative_to(ROOT)}")

@@ -117,7 +117,7 @@ def block_peak_extra_bytes(spec: ArchSpec, block: BlockSpec, w: Workload, recomp
     recomputed block first makes its saved tensors again): the measured peak less what the blocks keep."""
     units = memory_units(spec, w)
     work = units["recompute_work"] if recomputed else units["keep_work"]
-    scale = units["kept"][block.kind] / max(units["kept"].values())     # (a smaller block kind works in less)
+    scale = units["kept"][block.kind] / (max(units["kept"].values()) or 1)   # (a smaller kind works in less)
     return work * scale * spec.boundary_bytes(w) + (cast_copy_bytes(block, w) if recomputed else 0.0)
 
 

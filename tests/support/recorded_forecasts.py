@@ -1,89 +1,86 @@
-"""Every recorded CLI row of the 8-bit cards work against the planner's forecast as the code stands now
-(issue 24), shared by the test that holds the planner to them (tests/unit/test_plan_eight_bit_memory.py)
-and `python bench/cards_refit.py`, which prints every row's errors.
-
-Rows: bench/results/cards.json (cases that trained; the H200 measured 769 TFLOP/s bf16 in device calls 1-4
-and 777.6 in calls 5-6, the rates their recorded forecasts imply; pinned copies ~55 GB/s as the probes of
-bench/results/wan14b_*_place.json read) and
-bench/results/modes.json (klein 9B at 1024² through the CLI, 798.9 TFLOP/s in that session: the rate its
-recorded forecasts imply). The rate each session measured is what its forecast used, so it is kept here.
+"""The GPU runs the planner is held to (issue 29): every row of bench/results/calibration_fit.jsonl (what the
+coefficients in ugpum/calibration.json were fitted to) and of bench/results/calibration.json (runs of the
+planner's own picks and their neighbours, made after the fit), each against the forecast the code gives now
+for the blocks that row kept and swapped, on the device rate and host link the row's run measured.
+Shared by tests/unit/test_calibration.py and `python bench/calibration_fit.py`, which prints the table.
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+from ugpum import cost
 from ugpum.arch import get_spec
 from ugpum.arch.base import Workload
 from ugpum.devices import Device
-from ugpum.plan import CUDA_CONTEXT, GIB, StageCosts, budget_bytes, plan_training
+from ugpum.plan import GIB, MIB, StageCosts
 
 ROOT = Path(__file__).resolve().parents[2]
-
 RESULTS = ROOT / "bench" / "results"
-H200_GIB = 139.8
-LIMIT = 0.10
-CALL_TFLOPS = {5: 777.6, 6: 777.6}           # else 769.0 (device calls 1-4)
+FILES = (RESULTS / "calibration_fit.jsonl", RESULTS / "calibration.json")
+MEMORY_LIMIT = TIME_LIMIT = 0.05
+HOST_LIMIT = 0.10
+H100_HOST_GBPS = 50.0           # (a row without its probe's reading: the H100's pinned copies, PCIe 5 x16)
 
 
-def device(card_gib: float | None, tflops: float, gbps: float = 55.0) -> Device:
-    """The H200 as the run saw it: the whole GPU (the session's free memory), or capped as a card."""
-    if card_gib is None:
-        total = free = H200_GIB * GIB
-    else:
-        total, free = card_gib * GIB, card_gib * GIB - CUDA_CONTEXT
-    return Device("cuda:0 NVIDIA H200", "cuda:0", int(total), int(free), tflops, gbps, "pcie5x16", (9, 0))
+def rows() -> list[dict]:
+    """Every recorded run that trained (or, for the memory, ran out of memory: fit-8 is kept for its
+    measured first step only by the fit), with what it measured."""
+    found = []
+    for path in FILES:
+        if path.exists():
+            found += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in found if r.get("rc") == 0 and r.get("s_per_step")]
 
 
-def workload(model: str, resolution: int, frames: int, rank: int, compiled: bool, mode: str) -> Workload:
-    held = "fp8" if mode in ("fp8", "int8") else "bf16"          # (what TrainConfig.workload() gives)
-    return Workload(width=resolution, height=resolution, frames=frames, rank=rank, compiled=compiled,
-                    base_compute=mode, weight_dtype=held)
+def workload(row: dict) -> Workload:
+    eight_bit = row["base_compute"] in cost.EIGHT_BIT_MODES
+    words = row["command"].split()
+    rank = int(words[words.index("--rank") + 1]) if "--rank" in words else 16
+    return Workload(width=row["resolution"], height=row["resolution"], frames=row["frames"], rank=rank,
+                    compiled=row.get("compile", "on") != "off", base_compute=row["base_compute"],
+                    weight_dtype="fp8" if eight_bit else "bf16", recompute=row["recompute"])
 
 
-def recorded_rows() -> list[dict]:
-    rows = []
-    for r in json.loads((RESULTS / "cards.json").read_text())["rows"]:
-        if r.get("rc") == 0 and r.get("s_per_step"):
-            rank = 32 if r["model"].startswith("wan") else 16
-            rows.append(dict(label=f"cards {r['label']}", model=r["model"], card=r["card_gib"],
-                             tflops=CALL_TFLOPS.get(r.get("device_call"), 769.0),
-                             w=workload(r["model"], r["resolution"], r["frames"], rank, True, r["base_compute"]),
-                             s=r["s_per_step"], gib=r["peak_gib"], swapped=r["swapped_blocks"],
-                             offloaded=r.get("offloaded_blocks")))
-    for line in (RESULTS / "modes.json").read_text().splitlines():
-        r = json.loads(line)
-        rows.append(dict(label=f"modes klein compile={r['compile']} {r['base_compute']}", model=r["model"],
-                         card=None, tflops=798.9,
-                         w=workload(r["model"], 1024, 1, 16, r["compile"] == "on", r["base_compute"]),
-                         s=r["s_per_step"], gib=r["train_peak_gib"], swapped=0))
-    return rows
+def unit_bytes(row: dict, spec, w: Workload) -> float:
+    """One hidden state in this run: what a recomputed block left alive (its output), which reads the tokens
+    the dataset's buckets really had; else the spec's count at resolution²."""
+    small = sorted(m for m in row.get("block_kept_mib") or [] if m * MIB < 2 * spec.boundary_bytes(w))
+    return small[len(small) // 2] * MIB if small else spec.boundary_bytes(w)
 
 
-def forecast_gib_as_run(row: dict, dev: Device) -> float:
-    """The stage's forecast memory for the blocks the run swapped: the measured peak belongs to that set,
-    which a changed model may not pick again. Rows that name the set (bench/cards.py records it now) use it;
-    older rows give only the count: the planner's first candidate of that count that fits the budget (the
-    planner takes the first that fits; the slot sizes in the older logs agree: klein 12 GiB swapped single
-    blocks, 8 GiB double blocks too), else the smallest of that count."""
-    spec = get_spec(row["model"])
-    costs = StageCosts(spec, [dev], row["w"], 1)
-    n = len(spec.blocks)
-
-    def gib(offloaded) -> float:
-        return sum(costs._memory(0, 0, n, tuple(offloaded)).values()) / GIB
-    if row.get("offloaded") is not None:
-        return round(gib(row["offloaded"]), 3)
-    sizes = [gib(o) for o in costs._swap_choices(0, n) if len(o) == row["swapped"]]
-    budget = budget_bytes(dev) / GIB
-    return round(next((x for x in sizes if x <= budget), min(sizes)), 3)
+def kept_blocks(row: dict, spec, w: Workload) -> tuple[int, ...]:
+    unit = unit_bytes(row, spec, w)
+    return tuple(i for i, m in enumerate(row.get("block_kept_mib") or []) if m * MIB > 2 * unit)
 
 
 def compare(row: dict) -> dict:
-    dev = device(row["card"], row["tflops"])
-    plan = plan_training(get_spec(row["model"]), [dev], row["w"])
-    forecast_s, forecast_gib = plan.predicted_step_s, forecast_gib_as_run(row, dev)
-    return dict(label=row["label"], s=row["s"], forecast_s=round(forecast_s, 4),
-                s_error=round(forecast_s / row["s"] - 1, 3), gib=row["gib"], forecast_gib=forecast_gib,
-                gib_error=round(forecast_gib / row["gib"] - 1, 3), swapped=row["swapped"],
-                planned=len(plan.offloaded_blocks))
+    """The row's measurements beside the forecast for its own kept and swapped blocks (the plan the run
+    used), at the tokens it trained (the forecast scales with the measured hidden-state size)."""
+    spec, w = get_spec(row["model"]), workload(row)
+    device = Device("row", None, 1024 * GIB, 1024 * GIB, row["device_tflops"],
+                    row.get("device_host_gbps") or H100_HOST_GBPS, "pcie5x16")
+    costs = StageCosts(spec, [device], w, 1)
+    kept, offloaded, n = kept_blocks(row, spec, w), tuple(row["offloaded_blocks"]), len(spec.blocks)
+    scale = unit_bytes(row, spec, w) / spec.boundary_bytes(w)
+    memory = costs._memory(0, 0, n, offloaded, kept)
+    activations = memory["activations"] + memory["allocator"]
+    reserved = (sum(memory.values()) - activations + activations * scale) / GIB
+    seconds = costs.seconds(0, 0, n, offloaded, kept)
+    host = cost.host_bytes(spec, sum(costs.weight[i] for i in offloaded)) / GIB
+    return dict(label=row["label"], kept=len(kept), swapped=len(offloaded),
+                reserved=row["peak_reserved_gib"], forecast_gib=round(reserved, 3),
+                gib_error=round(reserved / row["peak_reserved_gib"] - 1, 4),
+                s=row["s_per_step"], forecast_s=round(seconds, 4), s_error=round(seconds / row["s_per_step"] - 1, 4),
+                host=row["host_peak_gib"], forecast_host=round(host, 3), host_error=round(host / row["host_peak_gib"] - 1, 4))
+
+
+def table() -> list[str]:
+    lines = [f"{'row':26} {'kept':>4} {'swap':>4} {'reserved':>8} {'fcst':>7} {'err':>6}  {'s/step':>6} {'fcst':>6} "
+             f"{'err':>6}  {'host':>5} {'fcst':>5} {'err':>6}"]
+    for row in rows():
+        c = compare(row)
+        lines.append(f"{c['label']:26} {c['kept']:4d} {c['swapped']:4d} {c['reserved']:8.2f} {c['forecast_gib']:7.2f} "
+                     f"{c['gib_error']:+6.1%}  {c['s']:6.3f} {c['forecast_s']:6.3f} {c['s_error']:+6.1%}  "
+                     f"{c['host']:5.2f} {c['forecast_host']:5.2f} {c['host_error']:+6.1%}")
+    return lines
