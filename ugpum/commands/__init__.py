@@ -18,6 +18,7 @@ from .doctor import add_doctor_parser, run_doctor
 from .download import add_download_parser, run_download
 from .errors import UsageError
 from .plan import add_plan_parser, run_plan
+from .prog import in_own_words, prog
 from .train import add_train_parser, run_train
 
 COMMANDS = {"plan": (add_plan_parser, run_plan), "train": (add_train_parser, run_train),
@@ -26,8 +27,7 @@ COMMANDS = {"plan": (add_plan_parser, run_plan), "train": (add_train_parser, run
 
 
 def build_parser() -> argparse.ArgumentParser:
-    prog = "ugpum" if sys.argv[0].endswith("/ugpum") else "python -m ugpum"      # the .venv launcher, or -m
-    parser = argparse.ArgumentParser(prog=prog, description="UGPUM: LoRA training split over GPUs")
+    parser = argparse.ArgumentParser(prog=prog(), description="UGPUM: LoRA training split over GPUs")
     sub = parser.add_subparsers(dest="command", required=True)
     for add, _ in COMMANDS.values():
         add(sub)
@@ -49,5 +49,5 @@ def main(argv: list[str] | None = None) -> int:
     except (UsageError, UnknownModel, PlanError, ConfigError, DeviceError, ValueError, RuntimeError, OSError) as e:
         if os.environ.get("UGPUM_DEBUG"):
             raise
-        print(f"error: {for_cli(str(e), args.command)}", file=sys.stderr)
+        print(f"error: {in_own_words(for_cli(str(e), args.command))}", file=sys.stderr)
         return 2

@@ -12,13 +12,33 @@ from .errors import UsageError
 BENCH_DIR = PACK_ROOT / "bench"
 
 
+# What each benchmark measures, in a user's words (`bench --help`); the scripts' own --help says more.
+SUMMARIES = {
+    "calibration_fit": "fit the planner's memory and time model to recorded training runs",
+    "cards": "train as a smaller card would: the GPU capped to a card's memory, the plan's forecast against it",
+    "comfyui_gpu_klein": "klein 9B through the nodes in a ComfyUI running on the GPU, its memory watched",
+    "modes": "each speed mode (compile, 8-bit base compute) against the plan's forecast",
+    "pipeline": "what pipelined stages cost over the unsplit model, for every micro-batch schedule",
+    "place_train": "stream a full-size DiT onto the planned devices and train, forecast against measured",
+    "real_model_files": "write full-size klein 9B files with random weights, in ComfyUI's layouts and names",
+    "speed": "our training step against the diffusers + PEFT reference, on one GPU",
+    "swap": "block swap on one GPU: unconstrained against capped to play a smaller card",
+    "text_encoder_split": "caption caching with a text encoder split over GPUs",
+    "train_real_files": "`train --models DIR` on full-size klein 9B files, the memory of each phase",
+    "two_gpu": "two GPUs in one process: the split against one GPU, each card capped to play a consumer card",
+}
+
+
 def add_bench_parser(sub) -> None:
     # `bench --help` is this verb's help; `bench NAME --help` reaches the benchmark (REMAINDER after NAME)
     p = sub.add_parser("bench", help="GPU benchmarks (bench/NAME.py: swap, pipeline, speed, ...) recorded into "
                                      "bench/results",
                        description="Runs bench/NAME.py of this checkout with its own arguments; "
-                                   "`bench NAME --help` lists them. Results go to bench/results/.")
-    p.add_argument("name", nargs="?", help="the benchmark: " + ", ".join(available()))
+                                   "`bench NAME --help` lists them. Results go to bench/results/.",
+                       epilog="benchmarks:\n" + "\n".join(f"  {name:<20}{SUMMARIES.get(name, '')}"
+                                                           for name in available()),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("name", nargs="?", help="the benchmark (listed below)")
     p.add_argument("args", nargs=argparse.REMAINDER, help="its own arguments (NAME --help lists them)")
 
 

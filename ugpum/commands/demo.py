@@ -25,38 +25,49 @@ def klein_report() -> str:
     return plan_report(load_config(KLEIN_PROFILE), KLEIN_PROFILE)
 
 
-def run_real_demo(models: Path, steps: int | None, out_dir: Path, log) -> int:
+def run_real_demo(models: Path, steps: int | None, out_dir: Path, log, comfyui: str | None = None) -> int:
     """The Klein 9B workflow on the real files: ComfyUI's own text encoder and VAE (as the stock
-    loaders load them) cache the captions and latents, then the DiT trains split by the plan."""
-    from .train import model_files, run_training
+    loaders load them) cache the captions and latents, then the DiT trains split by the plan. The
+    devices and the ComfyUI (`train`'s, for the same --models) are checked before any file is."""
+    from .train import check_devices, find_comfyui, model_files, run_training
     cfg = load_config(KLEIN_PROFILE, overrides={
         "dataset": str(DEMO_DATASET), "trigger": TRIGGER, "steps": steps,
         "sample_prompt": f"{TRIGGER}, waving, full body, on a beach", "output_name": "ugpum_klein9b_loranne"})
+    check_devices(cfg)
+    found = find_comfyui(cfg, comfyui, str(models), [])
     files = model_files(cfg, str(models), None, None, None)
     (out_dir / "plan_report.txt").write_text(klein_report())
-    result = run_training(cfg, out_dir, files, log=log, overwrite=True)      # a demo replaces its last run
+    result = run_training(cfg, out_dir, files, found, log=log, overwrite=True)      # a demo replaces its last run
     loss_curve(result.losses).save(out_dir / "loss.png")
     log(f"LoRA: {result.lora_path}; before/after: {result.sample_grid}; plan report: {out_dir / 'plan_report.txt'}")
     return 0
 
 
 def add_demo_parser(sub) -> None:
-    p = sub.add_parser("demo", help="the bundled workflow, headless: dataset -> plan -> train -> LoRA + report")
-    p.add_argument("--models", help="a ComfyUI models/ folder with the real Klein 9B files")
-    p.add_argument("--steps", type=int, default=None)
-    p.add_argument("--out", default="out/demo")
+    p = sub.add_parser("demo", help="the bundled workflow, headless: dataset -> plan -> train -> LoRA + report",
+                       description="The bundled klein 9B workflow without ComfyUI's window: the demo character "
+                                   "dataset, the plan, training, the LoRA, before/after samples and a loss curve. "
+                                   "Without --models it runs on a tiny random-weight FLUX.2 on the CPU, and says so.")
+    p.add_argument("--models", metavar="DIR", help="a ComfyUI models/ folder with the real klein 9B files "
+                                                   "(`ugpum download klein-9b-1024` puts them there)")
+    p.add_argument("--comfyui", metavar="DIR", help="with --models: the ComfyUI whose model code runs (default: the "
+                                                    "one train uses; `ugpum doctor` names it)")
+    p.add_argument("--steps", type=int, default=None, metavar="N", help="optimizer steps (default: the profile's)")
+    p.add_argument("--out", default="out/demo", metavar="DIR", help="output folder, replaced on each demo run "
+                                                                    "(default out/demo)")
 
 
 def run_demo(args) -> int:
-    return demo(models=args.models, steps=args.steps, out=args.out)
+    return demo(models=args.models, steps=args.steps, out=args.out, comfyui=args.comfyui)
 
 
-def demo(models: str | None = None, steps: int | None = None, out: str = "out/demo", log=print) -> int:
+def demo(models: str | None = None, steps: int | None = None, out: str = "out/demo", log=print,
+         comfyui: str | None = None) -> int:
     from .train import run_training
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
     if models:
-        return run_real_demo(Path(models), steps, out_dir, log)
+        return run_real_demo(Path(models), steps, out_dir, log, comfyui)
     log("No real weights given: running the demo on a tiny random-weight FLUX.2 (ComfyUI's own model "
         "class) with stand-in encoders. Same dataset, planner, placement, LoRA and files as the real run; "
         "the pictures show the pipeline working, not a trained character.")

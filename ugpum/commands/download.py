@@ -37,6 +37,7 @@ from typing import Protocol
 
 from .. import models_catalog as catalog
 from ..models_catalog import ModelFile
+from .prog import in_own_words
 
 CHUNK = 8 * 2**20
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
@@ -562,16 +563,24 @@ def add_download_parser(sub) -> None:
     p.add_argument("--dtype", choices=catalog.DTYPES, help="DiT weights: the 16-bit file or fp8 "
                                                            "(default: the profile's or model's)")
     p.add_argument("--list", action="store_true", help="list the files and their sources; download nothing")
-    p.add_argument("--json", action="store_true", help="with --list and a name: the files it would write, as "
-                                                       "JSON (paths relative to the models/ folder)")
+    p.add_argument("--json", action="store_true", help="with --list: the files each profile and model (or the one "
+                                                       "named) would write, as JSON (paths relative to the models/ "
+                                                       "folder)")
+    p.add_argument("--comfyui", metavar="DIR", help="the ComfyUI that will train on the files (default: the one "
+                                                    "train uses: $COMFYUI_PATH, the ComfyUI around --models, ...); "
+                                                    "one that cannot load the model is refused before any download")
     p.add_argument("--no-cache", action="store_true", help="do not copy from the local Hugging Face cache")
 
 
 def run_download(args) -> int:
     if args.list or not args.name:
         try:
-            print(json.dumps(planned_files(args.name, args.dtype), indent=1) if args.json and args.name
-                  else format_catalog(args.name))
+            if args.json:
+                listed = planned_files(args.name, args.dtype) if args.name else \
+                    {"profiles_and_models": [planned_files(name) for name in catalog.names()]}
+                print(json.dumps(listed, indent=1))
+            else:
+                print(in_own_words(format_catalog(args.name)))
         except catalog.UnknownName as err:
             print(f"error: {err}", file=sys.stderr)
             return 2
@@ -579,6 +588,11 @@ def run_download(args) -> int:
     models = Path(args.models).expanduser() if args.models else default_models_dir()
     if models is None:
         print("error: give ComfyUI's models folder with --models DIR (or set COMFYUI_PATH)", file=sys.stderr)
+        return 2
+    try:
+        check_comfyui(args.name, args.comfyui, models)
+    except catalog.UnknownName as err:
+        print(f"error: {err}", file=sys.stderr)
         return 2
     try:
         report = download(args.name, models, args.dtype, use_cache=not args.no_cache,
@@ -589,8 +603,21 @@ def run_download(args) -> int:
     if report.ok:
         print(f"{report.name}: all {len(report.outcomes)} files are in {models}")
         return 0
-    print(explain(report), file=sys.stderr)
+    print(in_own_words(explain(report)), file=sys.stderr)
     return 1
+
+
+def check_comfyui(name: str, comfyui: str | None, models: Path) -> None:
+    """Before any byte is fetched: refuse (one sentence with the fix) when the ComfyUI that would train on
+    these files (`train`'s, for the same --models) cannot load the model's text encoder. Without any
+    ComfyUI here the files are fetched for the user's ComfyUI elsewhere."""
+    from ..arch import get_spec
+    from .bridge import comfy_bridge
+    entry, _ = catalog.resolve(name)
+    bridge = comfy_bridge()
+    found = bridge.locate_comfyui(comfyui, models)
+    if found is not None:
+        bridge.check_comfyui_for(found, get_spec(entry.id))
 
 
 def planned_files(name: str, dtype: str | None = None) -> dict:

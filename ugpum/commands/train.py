@@ -12,12 +12,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..arch import get_spec, recognise
-from ..devices import CPU_TRAINABLE_PARAMS
+from ..devices import CPU_TRAINABLE_PARAMS, resolve_devices
 from ..schedules import ALL_SETTINGS
 from ..dtypes import TORCH_DTYPES
 from ..train.config import PROFILES, TrainConfig, load_config
 from ..folders import check_writable, too_long_name
 from .bridge import comfy_bridge
+from ..wording import for_cli
 from .errors import UsageError
 
 
@@ -29,32 +30,64 @@ class ModelFiles:
     vae: Path
 
 
+DESCRIPTION = """\
+Train a LoRA on a FLUX.2 or Wan 2.1 diffusion transformer, split over this machine's GPUs by the
+planner (blocks swapped from host memory where they do not fit). Start a run from a built-in
+--profile or a --config TOML (flags change single settings), with a --dataset and the model files
+(--models: your ComfyUI's models/ folder), into --out. A stopped run (Ctrl-C, SIGTERM) saves first;
+`--resume DIR` alone continues it with the settings its checkpoint records."""
+
+EPILOG = """\
+examples:
+  %(prog)s --profile klein-9b-1024 --dataset my_images/ --models ~/ComfyUI/models --out runs/me
+  %(prog)s --resume runs/me                 continue a stopped run, to its last step
+  %(prog)s --resume runs/me --steps 100     train a run on to 100 steps in all
+  %(prog)s --profile tiny-flux2 --dataset demo_datasets/loranne --devices cpu --steps 5 --out out/tiny
+every setting, its default and meaning: docs/train_config_example.toml"""
+
+
 def add_train_parser(sub) -> None:
-    p = sub.add_parser("train", help="train a LoRA (the engine the LoRA Trainer node uses)")
-    p.add_argument("--profile", help="a built-in profile: " + ", ".join(PROFILES))
-    p.add_argument("--config", help="a TOML file of TrainConfig settings (top level or [train]); with --profile, "
-                                    "it changes the profile's settings")
-    p.add_argument("--dataset", help="folder of images or clips (Wan) with same-stem .txt captions, "
-                                     "or a musubi dataset .toml")
+    import argparse
+    p = sub.add_parser("train", help="train a LoRA (the engine the LoRA Trainer node uses)", description=DESCRIPTION,
+                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--profile", help="a built-in profile to start from: " + ", ".join(PROFILES))
+    p.add_argument("--config", metavar="FILE.toml", help="a TOML file of settings (top level or [train]; "
+                                                          "docs/train_config_example.toml names them all); with "
+                                                          "--profile, it changes the profile's settings")
+    p.add_argument("--dataset", metavar="DIR", help="folder of images or clips (Wan) with same-stem .txt captions, "
+                                                    "or a musubi dataset .toml")
     p.add_argument("--models", metavar="DIR", help="ComfyUI's models/ folder holding the profile's DiT, text "
-                                                   "encoder and VAE (what `python -m ugpum download` puts there)")
-    p.add_argument("--model", help="the DiT .safetensors file (its header names the model)")
+                                                   "encoder and VAE (what `ugpum download` puts there); its "
+                                                   "ComfyUI is the one used")
+    p.add_argument("--model", metavar="FILE", help="the DiT .safetensors file (its header names the model)")
     p.add_argument("--text-encoder", metavar="FILE", help="the text encoder file (as ComfyUI's CLIPLoader loads it)")
     p.add_argument("--vae", metavar="FILE", help="the VAE file (as ComfyUI's VAELoader loads it)")
-    p.add_argument("--devices", help="auto, cuda:0,cuda:1 or cpu,cpu")
-    p.add_argument("--steps", type=int)
+    p.add_argument("--comfyui", metavar="DIR", help="the ComfyUI whose model code runs (default: $COMFYUI_PATH, the "
+                                                    "ComfyUI around --models, the one this pack is installed in, "
+                                                    "else the packaged one; `ugpum doctor` names it)")
+    p.add_argument("--devices", metavar="LIST", help="auto (every GPU), cuda:0,cuda:1, or cpu (the tiny test models "
+                                                     "only); default: the profile's or config's, else auto")
+    p.add_argument("--steps", type=int, metavar="N",
+                   help="optimizer steps in all (default: the profile's or config's); with --resume, the run's new "
+                        "total: raise it to train a run on past the steps it was started with")
     p.add_argument("--frames", type=int, help="Wan clips: frames from each clip's start (4k+1, e.g. 17 or 33)")
-    p.add_argument("--batch", type=int, help="samples per micro-batch (items of one bucket and text length)")
-    p.add_argument("--grad-accum", type=int)
+    p.add_argument("--batch", type=int, metavar="B", help="samples per micro-batch (items of one bucket and text "
+                                                          "length; default 1)")
+    p.add_argument("--grad-accum", type=int, metavar="M",
+                   help="micro-batches per optimizer step, pipelined over the GPUs (default 1; the effective batch "
+                        "is B x M)")
     p.add_argument("--schedule", choices=ALL_SETTINGS,
                    help="order of the micro-batches over the stages (default auto: the best for the plan); with "
                         "--distributed also interleaved-1f1b or zero-bubble (two pipeline stages per rank)")
-    p.add_argument("--resume", metavar="DIR", help="continue the run whose output folder is DIR (the same run only)")
-    p.add_argument("--out", help="output folder (LoRA, metrics.jsonl, samples/, checkpoints/) of a new run")
+    p.add_argument("--resume", metavar="DIR", help="continue the run whose output folder is DIR, with the settings "
+                                                   "its checkpoint records (the same run only; flags change only "
+                                                   "--steps, --devices, --schedule, --sample-every and the like)")
+    p.add_argument("--out", metavar="DIR", help="output folder (LoRA, metrics.jsonl, samples/, checkpoints/) of a "
+                                                "new run")
     p.add_argument("--overwrite", action="store_true", help="replace an earlier run in --out (default: refuse)")
     p.add_argument("--stand-in-encoders", action="store_true",
                    help="fixed random encoders instead of a VAE/text encoder (benchmarks on random weights)")
-    p.add_argument("--sample-every", type=int, help="render a sample every N steps (0: never)")
+    p.add_argument("--sample-every", type=int, metavar="N", help="render a sample every N steps (0: never)")
     p.add_argument("--compile", choices=["auto", "on", "off"],
                    help="compiled blocks (default auto: on CUDA GPUs with Triton; says once why not elsewhere)")
     p.add_argument("--base-compute", choices=["auto", "bf16", "fp8", "int8"],
@@ -67,23 +100,81 @@ def add_train_parser(sub) -> None:
                    help="with --distributed: R replicas of the pipeline, LoRA gradients summed (default 1)")
 
 
+def _overrides(args) -> dict:
+    return {"dataset": args.dataset, "steps": args.steps, "frames": args.frames, "batch": args.batch,
+            "grad_accum": args.grad_accum, "schedule": args.schedule,
+            "devices": args.devices.split(",") if args.devices else None,
+            "stand_in_encoders": True if args.stand_in_encoders else None,
+            "sample_every": args.sample_every, "compile": args.compile, "base_compute": args.base_compute}
+
+
 def config_from_args(args) -> TrainConfig:
-    if not args.config and not args.profile:
-        raise UsageError("give --config FILE.toml or --profile NAME (" + ", ".join(PROFILES) + ")")
-    overrides = {"dataset": args.dataset, "steps": args.steps, "frames": args.frames, "batch": args.batch,
-                 "grad_accum": args.grad_accum, "schedule": args.schedule,
-                 "devices": args.devices.split(",") if args.devices else None,
-                 "stand_in_encoders": True if args.stand_in_encoders else None,
-                 "sample_every": args.sample_every, "compile": args.compile, "base_compute": args.base_compute}
-    cfg = load_config(args.profile or "", args.config or "", overrides)
+    """The run's settings: a profile and/or a config with the flags on top; for `--resume DIR` alone, the
+    settings its checkpoint records with the flags on top. Paths become absolute, so that a resume from
+    another folder finds the same files."""
+    if args.config or args.profile:
+        cfg = load_config(args.profile or "", args.config or "", _overrides(args))
+        source = f"profile {args.profile}" if args.profile else f"config {args.config}"
+    elif args.resume:
+        cfg, source = recorded_config(args.resume, _overrides(args)), f"the run in {args.resume}"
+    else:
+        raise UsageError("give --profile NAME or --config FILE.toml (" + ", ".join(PROFILES) + "), or --resume DIR "
+                         "to continue a run")
     if args.model:
         found = recognise(args.model)[0].id
         if found != cfg.model:
-            source = f"profile {args.profile}" if args.profile else f"config {args.config}"
             raise UsageError(f"--model {args.model} holds {found}, but {source} trains {cfg.model}; give a "
                              f"{cfg.model} file, or a profile or config for {found}")
         cfg.model_file = args.model
+    for name in ("dataset", "model_file"):
+        if getattr(cfg, name):
+            setattr(cfg, name, str(Path(getattr(cfg, name)).expanduser().absolute()))
     return cfg
+
+
+def recorded_run(out: str) -> dict:
+    """state.json of the newest intact checkpoint of the run in `out`: its settings (identity.config)
+    and what it was loaded from (inputs); one sentence when there is none to read."""
+    from ..train.checkpoint import latest_checkpoint
+    folder = latest_checkpoint(Path(out).expanduser())
+    if folder is None:
+        raise UsageError(f"--resume {out}: no intact checkpoint in {Path(out) / 'checkpoints'}, so nothing records "
+                         "the run's settings; start it again with --profile or --config and --out")
+    import json
+    try:
+        return json.loads((folder / "state.json").read_text())
+    except (OSError, ValueError) as err:
+        raise UsageError(f"--resume {out}: cannot read {folder / 'state.json'} ({err}); start the run again with "
+                         "--profile or --config and --out") from None
+
+
+def recorded_config(out: str, overrides: dict) -> TrainConfig:
+    """The settings of the run in `out`, as its checkpoint records them, with `overrides` (flags) on top."""
+    import dataclasses
+    saved = (recorded_run(out).get("identity") or {}).get("config")
+    if not isinstance(saved, dict):
+        raise UsageError(f"--resume {out}: its checkpoint records no settings (written by an older UGPUM); give "
+                         "the run's --profile or --config as well")
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    values = {k: v for k, v in saved.items() if k in known}
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    try:
+        return TrainConfig(**values).validate()
+    except TypeError as err:
+        raise UsageError(f"--resume {out}: its checkpoint's settings do not fit this UGPUM ({err}); give the run's "
+                         "--profile or --config as well") from None
+
+
+def recorded_inputs(args) -> dict:
+    """For a resume: the files the run loaded its encoders from (and its --models, --comfyui), as its
+    checkpoint records them, where the command line does not give them again."""
+    if not args.resume:
+        return {}
+    try:
+        inputs = recorded_run(args.resume).get("inputs") or {}
+    except UsageError:
+        return {}                        # (open_run says what is wrong with the checkpoint, in its words)
+    return inputs if isinstance(inputs, dict) else {}
 
 
 def model_files(cfg: TrainConfig, models: str | None, dit: str | None, text_encoder: str | None,
@@ -158,13 +249,15 @@ def build_encoders(cfg: TrainConfig, files: ModelFiles | None, bridge=None):
     return bridge.load_encoders(files.text_encoder, files.vae, spec.family, devices=cfg.devices)
 
 
-def run_training(cfg: TrainConfig, out: str | Path, files: ModelFiles | None = None, **hooks):
-    """One training run from the command line (or a test, or the demo): the ComfyUI to use, the DiT,
-    the encoders, then the engine. `hooks` go to `ugpum.train.loop.train` (resume, log, ...)."""
+def run_training(cfg: TrainConfig, out: str | Path, files: ModelFiles | None = None, comfyui=None, **hooks):
+    """One training run from the command line (or a test, or the demo): the ComfyUI to use (`comfyui`,
+    as `find_comfyui` found it; default: the one it finds), the DiT, the encoders, then the engine.
+    `hooks` go to `ugpum.train.loop.train` (resume, log, inputs, ...)."""
     from ..train.loop import train
     bridge = comfy_bridge()
     import torch
-    bridge.import_comfy(bridge.find_comfyui_or_raise(), cpu=not torch.cuda.is_available())
+    folder = bridge.comfyui_folder(comfyui) if comfyui is not None else bridge.find_comfyui_or_raise()
+    bridge.import_comfy(folder, cpu=not torch.cuda.is_available())
     if files is not None:
         cfg.model_file = str(files.dit)
     encoders = build_encoders(cfg, files, bridge)
@@ -195,6 +288,43 @@ def check_out_folder(out: str, flag: str) -> None:
                          f"folder you can write to, or make it writable (chmod u+w {existing})")
 
 
+def find_comfyui(cfg: TrainConfig, comfyui: str | None, models: str | None, files: list) -> object:
+    """The ComfyUI this run uses (the one `doctor` names for the same flags), refused before anything is
+    read or downloaded when it cannot load the model's text encoder."""
+    bridge = comfy_bridge()
+    found = bridge.locate_comfyui(comfyui, [models, *files])
+    if found is None:
+        raise UsageError(f"no ComfyUI found: give --comfyui DIR or set COMFYUI_PATH to {bridge.NEW_COMFYUI}")
+    if not cfg.stand_in_encoders and get_spec(cfg.model).params > CPU_TRAINABLE_PARAMS:
+        bridge.check_comfyui_for(found, get_spec(cfg.model))
+    return found
+
+
+def check_devices(cfg: TrainConfig) -> None:
+    """Refuse devices that cannot train this model (the CPU for a real model, described GPUs), before
+    anything is looked for, loaded or downloaded."""
+    import torch
+    spec = get_spec(cfg.model)
+    if spec.params > CPU_TRAINABLE_PARAMS and not torch.cuda.is_available():
+        raise UsageError(f"{spec.id} cannot train on the CPU, and torch sees no CUDA GPU here; train on a machine "
+                         "with an NVIDIA GPU (`python -m ugpum doctor` shows what torch sees), or read the forecast "
+                         f"for one: python -m ugpum plan --model {spec.id} --gpu rtx4090")
+    resolve_devices(list(cfg.devices), spec, training=True, probe=False)
+
+
+def random_weights_note(cfg: TrainConfig) -> str | None:
+    """What a run on random weights says first: its LoRA learns nothing a real model can use."""
+    spec = get_spec(cfg.model)
+    if not cfg.model_file and spec.params <= CPU_TRAINABLE_PARAMS:
+        return (f"note: {spec.id} is a tiny test model with random weights and stand-in encoders: this run tries the "
+                "pipeline and learns no real picture, and its LoRA fits only this random model (for a real LoRA: "
+                "--profile klein-9b-1024 --models <ComfyUI>/models)")
+    if cfg.stand_in_encoders:
+        return ("note: stand-in encoders (a fixed random text encoder and VAE) instead of the model's: the LoRA learns "
+                "from random features, for benchmarks only")
+    return None
+
+
 def run_train(args) -> int:
     if args.resume and args.out and Path(args.resume).resolve() != Path(args.out).resolve():
         raise UsageError(f"--resume {args.resume} continues the run in that folder; drop --out {args.out} "
@@ -210,15 +340,32 @@ def run_train(args) -> int:
         check_writable(cfg.cache_dir, "cache_dir", "set cache_dir to a folder you can write in")
     if not cfg.dataset:
         raise UsageError("no dataset: give --dataset DIR (or set dataset in the config)")
-    files = model_files(cfg, args.models, args.model, args.text_encoder, args.vae)
+    check_devices(cfg)                                  # a real model without a GPU: said before any file
+    recorded = recorded_inputs(args)
+    models = args.models or recorded.get("models")
+    given = {"text_encoder": args.text_encoder or recorded.get("text_encoder"),
+             "vae": args.vae or recorded.get("vae")}
+    comfyui = find_comfyui(cfg, args.comfyui or recorded.get("comfyui"), models,
+                           [args.model or cfg.model_file, *given.values()])
+    files = model_files(cfg, models, args.model, given["text_encoder"], given["vae"])
+    note = random_weights_note(cfg)
+    if note:
+        print(note)
+    inputs = {"models": _absolute(models), "comfyui": _absolute(args.comfyui or recorded.get("comfyui")),
+              **({"text_encoder": _absolute(files.text_encoder), "vae": _absolute(files.vae)} if files else {})}
     if getattr(args, "distributed", False) or getattr(args, "data_parallel", 1) != 1:   # torchrun ... --distributed
         from .train_distributed import run_train_distributed
-        return run_train_distributed(args, cfg, out, files, build_model, build_encoders)
+        return run_train_distributed(args, cfg, out, files, build_model, build_encoders, comfyui, inputs)
     from ..train.run_folder import RunFinished
     try:
-        result = run_training(cfg, out, files, resume=bool(args.resume), overwrite=args.overwrite)
+        result = run_training(cfg, out, files, comfyui, resume=bool(args.resume), overwrite=args.overwrite,
+                              inputs=inputs)
     except RunFinished as finished:                  # not an error: the run is done
-        print(finished)
+        print(for_cli(str(finished), "train"))
         return 0
     print(f"LoRA: {result.lora_path}")
     return 0
+
+
+def _absolute(path) -> str | None:
+    return str(Path(path).expanduser().absolute()) if path else None

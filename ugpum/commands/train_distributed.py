@@ -10,10 +10,12 @@ from ..train.config import TrainConfig
 
 
 def run_distributed_training(cfg: TrainConfig, out: str | Path, files, build_model, build_encoders,
-                             data_parallel: int = 1, resume: bool = False, overwrite: bool = False, log=print):
+                             data_parallel: int = 1, resume: bool = False, overwrite: bool = False, log=print,
+                             comfyui=None, inputs: dict | None = None):
     """One rank of a distributed run: the ComfyUI to use, this rank's DiT (streamed from its file
     stage by stage), the encoders on rank 0 only, then the engine. `build_model` and
-    `build_encoders`: `ugpum.commands.train`'s (passed in: that module imports this one)."""
+    `build_encoders`: `ugpum.commands.train`'s (passed in: that module imports this one). `comfyui`: the
+    ComfyUI `train` found (`comfy_bridge.locate_comfyui`); `inputs`: what the checkpoints record."""
     import torch
     import torch.distributed as dist
     from ..distributed.stepper import PipelineStepper
@@ -21,7 +23,7 @@ def run_distributed_training(cfg: TrainConfig, out: str | Path, files, build_mod
     from .bridge import comfy_bridge
     cpu = all(d == "cpu" for d in cfg.devices) or not torch.cuda.is_available()
     bridge = comfy_bridge()
-    bridge.import_comfy(bridge.find_comfyui_or_raise(), cpu=cpu)
+    bridge.import_comfy(bridge.comfyui_folder(comfyui) if comfyui else bridge.find_comfyui_or_raise(), cpu=cpu)
     if files is not None:
         cfg.model_file = str(files.dit)
     try:
@@ -29,13 +31,14 @@ def run_distributed_training(cfg: TrainConfig, out: str | Path, files, build_mod
         model, key_prefix = build_model(cfg, bridge)
         with bridge.comfy_training_mode():
             return train(cfg, out, model, None, key_prefix, resume=resume, overwrite=overwrite, stepper=stepper,
-                         log=log)
+                         inputs=inputs, log=log)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def run_train_distributed(args, cfg: TrainConfig, out: str, files, build_model, build_encoders) -> int:
+def run_train_distributed(args, cfg: TrainConfig, out: str, files, build_model, build_encoders, comfyui=None,
+                          inputs: dict | None = None) -> int:
     """The CLI's distributed branch: a stop by a signal is one sentence per rank and exit 128 + signal."""
     from ..distributed.topology import DistributedStop
     from .errors import UsageError
@@ -43,7 +46,8 @@ def run_train_distributed(args, cfg: TrainConfig, out: str, files, build_model, 
         raise UsageError("--data-parallel needs --distributed (run under torchrun; README \"Past one machine\")")
     try:
         result = run_distributed_training(cfg, out, files, build_model, build_encoders, data_parallel=args.data_parallel,
-                                          resume=bool(args.resume), overwrite=getattr(args, "overwrite", False))
+                                          resume=bool(args.resume), overwrite=getattr(args, "overwrite", False),
+                                          comfyui=comfyui, inputs=inputs)
     except DistributedStop as stop:
         # One write per line: the ranks share torchrun's stderr, and print's separate newline let
         # two ranks' sentences run together on one line.

@@ -67,12 +67,13 @@ def _quiet(*_args, **_kwargs) -> None:
 
 def train(cfg: TrainConfig, out: str | Path, model: torch.nn.Module, encoders, key_prefix: str = "",
           resume: bool = False, overwrite: bool = False, plan: Plan | None = None, stepper=None,
-          **hooks) -> TrainResult:
+          inputs: dict | None = None, **hooks) -> TrainResult:
     """Train `cfg`'s LoRA on `model` (ComfyUI's DiT module, on the meta device to be streamed from
     `cfg.model_file`, or with weights) with `encoders`, into `out`. `plan`: the one the Partition
     Planner showed; None plans here, with the same function. `resume` continues the run in `out` (only
     the same run); a new run never replaces an earlier one unless `overwrite`. `stepper`: the engine
-    (default: this process, `LocalStepper`). `hooks`: `Hooks`' fields. Every way the run ends keeps
+    (default: this process, `LocalStepper`). `inputs`: what the front end loaded the run from (file paths,
+    JSON-ready), recorded in each checkpoint so that a resume can load the same. `hooks`: `Hooks`' fields. Every way the run ends keeps
     every completed step: a checkpoint, and the LoRA so far. The run folder is locked for the run's
     life (another run into it is refused), and SIGTERM stops every phase as Ctrl-C does."""
     out, stepper, log = Path(out), stepper or LocalStepper(plan), hooks.get("log", print)
@@ -81,7 +82,7 @@ def train(cfg: TrainConfig, out: str | Path, model: torch.nn.Module, encoders, k
             held.enter_context(hold_run_folder(out, log))
         held.enter_context(stop_on_sigterm())
         try:
-            return _train(cfg, out, model, encoders, key_prefix, resume, overwrite, stepper, hooks)
+            return _train(cfg, out, model, encoders, key_prefix, resume, overwrite, stepper, inputs, hooks)
         except KeyboardInterrupt as stop:                # before or between the steps' own saves
             if stepper.lead and not getattr(stop, "told", False):
                 log(stopped_note(out, resume))
@@ -89,13 +90,13 @@ def train(cfg: TrainConfig, out: str | Path, model: torch.nn.Module, encoders, k
 
 
 def _train(cfg: TrainConfig, out: Path, model, encoders, key_prefix: str, resume: bool, overwrite: bool,
-           stepper, hooks: dict) -> TrainResult:
+           stepper, inputs: dict | None, hooks: dict) -> TrainResult:
     spec, h = get_spec(cfg.model), Hooks(**hooks)
     say = h.log if stepper.lead else _quiet
 
     # 1. on the lead: the data, whether this run may start or continue here, the features, the plan
     def begin():
-        run = open_run(cfg, spec, out, resume, overwrite, h.log)
+        run = open_run(cfg, spec, out, resume, overwrite, h.log, inputs)
         features = encode_features(cfg, run.items, stepper.encoders(encoders), out, h.log)
         chosen = stepper.make_plan(cfg, spec)
         write_json_atomic(out / "plan.json", stepper.plan_record(chosen))

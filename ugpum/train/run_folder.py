@@ -22,6 +22,7 @@ from .config import TrainConfig
 from .errors import RunExists, TrainingError
 from ..lora import LoraSet, lora_targets
 from .stopping import saving
+from ..wording import setting
 
 RUN_FILES = ("metrics.jsonl", "checkpoints", "plan.json", "samples")
 
@@ -38,12 +39,15 @@ class OpenedRun:
     identity: dict                 # what makes the run this run (`run_identity`)
     checkpoint: Path | None        # the checkpoint a resume continues from
     start: int                     # the first step to train (the checkpoint's step)
+    inputs: dict = dataclasses.field(default_factory=dict)   # what the front end loaded the run from
 
 
-def open_run(cfg: TrainConfig, spec, out: Path, resume: bool, overwrite: bool, log=print) -> OpenedRun:
+def open_run(cfg: TrainConfig, spec, out: Path, resume: bool, overwrite: bool, log=print,
+             inputs: dict | None = None) -> OpenedRun:
     """The run folder made ready and the run's data read, before any work: leftovers of an interrupted
     save removed; for `resume` the checkpoint to continue (only the same run), else the folder checked
-    free of an earlier run (replaced only with `overwrite`)."""
+    free of an earlier run (replaced only with `overwrite`). `inputs` (the files a front end loaded the
+    encoders from, and the like) is recorded in every checkpoint, for a resume to load them again."""
     out.mkdir(parents=True, exist_ok=True)
     removed = remove_leftovers(out, cfg.cache_dir)
     if removed:
@@ -62,7 +66,7 @@ def open_run(cfg: TrainConfig, spec, out: Path, resume: bool, overwrite: bool, l
         clear_earlier_run(out, cfg)                      # (what a run that never stepped left, or --overwrite)
         if held:
             log(f"replacing the earlier run in {out} (overwrite)")
-    return OpenedRun(out, items, data_hash, identity, checkpoint, start)
+    return OpenedRun(out, items, data_hash, identity, checkpoint, start, dict(inputs or {}))
 
 
 def lora_shapes(cfg: TrainConfig, spec) -> dict[str, list[int]]:
@@ -126,10 +130,10 @@ def resume_point(out: Path, cfg: TrainConfig, identity: dict, log) -> tuple[Path
     step = state["step"]
     if step == cfg.steps and (out / f"{cfg.output_name}.safetensors").is_file():
         raise RunFinished(f"--resume {out}: the run is finished ({step} of {cfg.steps} steps trained, "
-                          f"{cfg.output_name}.safetensors written); nothing is left to train: to train longer, "
-                          f"resume with more steps (--steps {2 * step})")
+                          f"{cfg.output_name}.safetensors written); nothing is left to train: to train on, resume "
+                          f"with a new total, {setting('steps', 2 * step)} for instance")
     if not 0 < step <= cfg.steps:
-        more = f"; set steps above {step} to train on" if step > cfg.steps else ""
+        more = f"; set {setting('steps')} above {step} to train on" if step > cfg.steps else ""
         raise TrainingError(f"--resume {out}: its checkpoint is at step {step}, outside this run's 1..{cfg.steps}{more}")
     logged = logged_steps(out)
     if logged is None or logged[:step] != list(range(1, step + 1)):
@@ -168,7 +172,7 @@ def save_run(run: OpenedRun, cfg: TrainConfig, spec, lora: LoraSet, optimizer, a
     with saving(log, stopping):
         try:
             save_checkpoint(run.out, at, lora, optimizer, {"model": spec.id, "identity": run.identity,
-                                                           "interrupted": stopping})
+                                                           "inputs": run.inputs, "interrupted": stopping})
         except DiskFull as full:                 # the LoRA is smaller: keep it when it fits, say what is kept
             lora_path = None
             with contextlib.suppress(DiskFull):
