@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from support.comfyui_tree import comfyui_tree
 from ugpum.commands import download as dl
 from ugpum import models_catalog as catalog
 from ugpum.arch import get_spec
@@ -192,7 +193,8 @@ def test_list_json_gives_the_relative_paths_it_would_write(capsys):
 
 
 def test_offline_gives_one_message_with_files_sources_and_folders(tmp_path, hf_home, network_attempts, capsys):
-    models = tmp_path / "ComfyUI" / "models"
+    models = comfyui_tree(tmp_path / "ComfyUI") / "models"            # a ComfyUI that loads klein's text encoder
+    models.rmdir()
     rc = run_cli(["download", "klein-9b-1024", "--models", str(models)])
     err = capsys.readouterr().err
     assert rc == 1

@@ -291,9 +291,16 @@ def test_bf16_base_weights_train_on_the_cpu(tmp_path):
 
 
 def test_real_models_refuse_to_train_without_their_encoders(tmp_path, capsys):
+    """Without a GPU the CPU refusal comes first (tests/integration/test_cli_journey.py); the sentence about
+    the encoders is the one `train` says next, on a GPU machine."""
     from ugpum.commands import main
+    from ugpum.commands.errors import UsageError
+    from ugpum.commands.train import model_files
+    with pytest.raises(UsageError, match="needs its text encoder and VAE"):
+        model_files(load_config("klein-9b-1024"), None, None, None, None)
     assert main(["train", "--profile", "klein-9b-1024", "--dataset", str(DATASET), "--out", str(tmp_path)]) == 2
-    assert "needs its text encoder and VAE" in capsys.readouterr().err
+    said = "needs its text encoder and VAE" if torch.cuda.is_available() else "cannot train on the CPU"
+    assert said in capsys.readouterr().err
 
 
 def test_cli_train_writes_the_output_folder(tmp_path, capsys):
@@ -317,9 +324,34 @@ def test_cli_schedule_flag_picks_the_micro_batch_order(tmp_path, capsys, schedul
     assert f"micro-batch schedule: {schedule}" in capsys.readouterr().out
 
 
-def test_demo_on_real_weights_names_missing_files_and_the_download_command(tmp_path, capsys):
+def new_comfyui(tmp_path: Path, monkeypatch) -> Path:
+    """A ComfyUI (its source's lines that tell it loads klein 9B's Qwen3-8B) whose models/ folder the run names."""
+    from support.comfyui_tree import comfyui_tree
+    monkeypatch.delenv("COMFYUI_PATH", raising=False)
+    return comfyui_tree(tmp_path / "ComfyUI") / "models"
+
+
+def test_missing_model_files_are_named_with_the_download_command(tmp_path, monkeypatch):
+    """What `train --models DIR` and `demo --models DIR` say, on a GPU machine, when files are missing."""
+    from ugpum.commands.errors import UsageError
+    from ugpum.commands.train import model_files
+    models = new_comfyui(tmp_path, monkeypatch)
+    (models / "vae").mkdir(parents=True)
+    (models / "vae" / "flux2-vae.safetensors").write_bytes(b"")
+    cfg = load_config("klein-9b-1024")
+    with pytest.raises(UsageError) as said:
+        model_files(cfg, str(models), None, None, None)
+    err = str(said.value)
+    assert "diffusion_models/flux-2-klein-base-9b.safetensors" in err and "text_encoders/qwen_3_8b_fp8mixed.safetensors" in err
+    assert f"python -m ugpum download flux2-klein-base-9b --models {models}" in err and "vae/flux2-vae" not in err
+    with pytest.raises(UsageError, match=f"--text-encoder {tmp_path / 'te.safetensors'} \\(no such file\\)"):
+        model_files(cfg, str(models), None, str(tmp_path / "te.safetensors"), None)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a real model trains only on a CUDA GPU")
+def test_demo_on_real_weights_names_missing_files_and_the_download_command(tmp_path, capsys, monkeypatch):
     from ugpum.commands import main
-    models = tmp_path / "models"
+    models = new_comfyui(tmp_path, monkeypatch)
     (models / "diffusion_models").mkdir(parents=True)
     (models / "vae").mkdir()
     (models / "vae" / "flux2-vae.safetensors").write_bytes(b"")
@@ -330,9 +362,10 @@ def test_demo_on_real_weights_names_missing_files_and_the_download_command(tmp_p
     assert "python -m ugpum download flux2-klein-base-9b" in err and "vae/flux2-vae" not in err
 
 
-def test_cli_train_on_a_models_folder_names_each_missing_file_and_the_download_command(tmp_path, capsys):
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a real model trains only on a CUDA GPU")
+def test_cli_train_on_a_models_folder_names_each_missing_file_and_the_download_command(tmp_path, capsys, monkeypatch):
     from ugpum.commands import main
-    models = tmp_path / "models"
+    models = new_comfyui(tmp_path, monkeypatch)
     (models / "vae").mkdir(parents=True)
     (models / "vae" / "flux2-vae.safetensors").write_bytes(b"")
     args = ["train", "--profile", "klein-9b-1024", "--dataset", str(DATASET), "--out", str(tmp_path / "out")]
@@ -349,25 +382,6 @@ def test_cli_train_on_a_models_folder_names_each_missing_file_and_the_download_c
     assert main(args + ["--model", str(tmp_path / "dit.safetensors")]) == 2
     assert "dit.safetensors: no such file" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()                                        # nothing started
-
-
-def test_cli_train_refuses_a_comfyui_too_old_for_the_text_encoder(tmp_path, capsys):
-    """The packaged ComfyUI (0.3.75) predates klein 9B's Qwen3-8B: one sentence says to update it."""
-    import comfy_bridge
-    from ugpum.commands import main
-    comfy_bridge.import_comfy(find_comfyui())
-    import comfy.sd
-    if hasattr(comfy.sd.TEModel, "QWEN3_8B"):
-        pytest.skip("this ComfyUI loads Qwen3-8B")
-    models = tmp_path / "models"
-    for name in ("diffusion_models/flux-2-klein-base-9b.safetensors", "text_encoders/qwen_3_8b_fp8mixed.safetensors",
-                 "vae/flux2-vae.safetensors"):
-        (models / name).parent.mkdir(parents=True, exist_ok=True)
-        (models / name).write_bytes(b"")
-    assert main(["train", "--profile", "klein-9b-1024", "--dataset", str(DATASET), "--models", str(models),
-                 "--out", str(tmp_path / "out")]) == 2
-    err = capsys.readouterr().err
-    assert "cannot load Flux.2-klein-base-9b's text encoder (QWEN3_8B); update it" in err and err.count("\n") == 1
 
 
 def test_guidance_trains_at_one_and_previews_at_the_templates_four():

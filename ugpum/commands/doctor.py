@@ -367,7 +367,12 @@ def _fmt_plan(p: dict) -> list[str]:
 
 def add_doctor_parser(sub) -> None:
     p = sub.add_parser("doctor", help="check this machine: GPUs, torch/CUDA, ComfyUI, model files, "
-                                      "and the plan of the klein 9B profile")
+                                      "and the plan of the klein 9B profile",
+                       description="One report on whether this machine will train, and how fast: Python, torch and "
+                                   "CUDA; each GPU's memory, PCIe link and peer access; the ComfyUI that train "
+                                   "and demo use and whether it loads the profile's text encoder; which model "
+                                   "files are in the models/ folder and whole; the profile's plan here, or on "
+                                   "typical rigs without a GPU. It changes nothing and exits 0.")
     p.add_argument("--models", metavar="DIR", help="ComfyUI's models/ folder to look for model files in "
                                                    "(default: the found ComfyUI's)")
     p.add_argument("--comfyui", metavar="DIR", help="the ComfyUI folder (default: the one train uses: "
