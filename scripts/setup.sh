@@ -19,7 +19,7 @@ from ugpum.commands import main
 sys.exit(main())
 LAUNCHER
 chmod +x .venv/bin/ugpum
-# The browser test (tests/test_frontend.py): Debian's Chromium, driven by Playwright for Python
+# The browser test (tests/server/test_frontend.py): Debian's Chromium, driven by Playwright for Python
 # (requirements-dev.txt); Playwright never downloads a browser here.
 if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
   apt-get update -qq

@@ -60,6 +60,12 @@ STOCK_BRANCH_TYPES = {"CLIPLoader", "VAELoader", "UNETLoader", "LoraModelLoader"
 RUN_TIMEOUT_S = 240
 
 
+def workflow_stamp(workflow: Path) -> str:
+    """What a screenshot of `workflow` records of it: its name and the sha256 of its file."""
+    import hashlib
+    return f"{workflow.name} sha256={hashlib.sha256(workflow.read_bytes()).hexdigest()}"
+
+
 def prepare_models(models: Path) -> None:
     """Every file the workflows name, by name (empty placeholders: the combos list them), and the
     tiny FLUX.2 (ComfyUI's own module, seeded random weights) as the klein base model."""
@@ -176,10 +182,18 @@ class Page:
                 continue
         return ""
 
-    def screenshot(self, path: Path) -> Path:
+    def screenshot(self, path: Path, workflow: Path | None = None) -> Path:
+        """The page as a PNG; `workflow`: the workflow file it shows, whose name and content hash the PNG
+        records (text chunk `ugpum-workflow`, see `workflow_stamp`), so a picture of an older workflow in
+        the docs is found out (tests/unit/test_docs_paths.py)."""
         self.page.mouse.move(900, 990)                      # over empty canvas: no tooltip in the picture
         self.page.wait_for_timeout(150)
         self.page.screenshot(path=str(path))
+        if workflow is not None:
+            from PIL import Image, PngImagePlugin
+            info = PngImagePlugin.PngInfo()
+            info.add_text("ugpum-workflow", workflow_stamp(workflow))
+            Image.open(path).save(path, pnginfo=info)
         target = os.environ.get("UGPUM_SCREENSHOTS")
         if target:
             Path(target).mkdir(parents=True, exist_ok=True)
@@ -231,7 +245,7 @@ def test_server_lists_the_workflows_as_templates(frontend_server):
 @pytest.mark.parametrize("workflow", WORKFLOWS, ids=lambda p: p.stem)
 def test_workflow_opens_from_templates_with_widgets_and_tooltips(page, frontend_server, workflow, tmp_path):
     page.open_template(workflow.stem)
-    shot = page.screenshot(tmp_path / f"workflow_{workflow.stem}.png")
+    shot = page.screenshot(tmp_path / f"workflow_{workflow.stem}.png", workflow)
     assert not page.visible_dialogs(), f"a dialog opened with the workflow: {page.visible_dialogs()} ({shot})"
     expected_types = sorted(n["type"] for n in json.loads(workflow.read_text())["nodes"])
     nodes = page.nodes()
