@@ -37,16 +37,26 @@ SERVER_FIXTURES = {"comfy_server_factory", "server", "workflow_server", "fronten
 
 def pytest_configure(config):
     import torch
+    from support import tiers
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))        # (torch may have been imported first)
     config.addinivalue_line("markers", "server: starts a real ComfyUI server (tests/support/comfy_server.py)")
-    config.addinivalue_line("markers", "slow: takes more than about half a minute on a 2-core CPU")
+    config.addinivalue_line("markers", "slow: takes more than about half a minute on a 2-core CPU (recorded in "
+                                       "tests/timings.json, or marked by hand)")
+    config.addinivalue_line("markers", "quick: recorded under a second, sharing no costly fixture with a slower "
+                                       "test (tests/support/tiers.py); scripts/test.sh runs these first")
+    recorder = tiers.recorder()
+    if recorder is not None:
+        config.pluginmanager.register(recorder, "ugpum-test-times")
 
 
 def pytest_collection_modifyitems(config, items):
-    """Every test that starts a ComfyUI server carries the `server` marker (`-m "not server"` skips them)."""
+    """Every test that starts a ComfyUI server carries the `server` marker (`-m "not server"` skips them);
+    every test is `quick` or `slow` by its recorded time (tests/support/tiers.py)."""
+    from support import tiers
     for item in items:
         if SERVER_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.server)
+    tiers.assign(items, pytest.mark)
 
 
 @pytest.fixture
