@@ -66,7 +66,7 @@ for s in $sections; do
         run_case klein-$card --model-file $k9 $cap --recompute auto --steps 12 --choice planner
       else
         run_case klein-$size-${card#*:} --model-file $k9 $cap --recompute auto --steps 12 --choice neighbour \
-          --variant ${card#*:}
+          --variant ${card#*:} --of klein-$size
       fi
     done ;;
   wan) wan

@@ -257,6 +257,7 @@ def main(argv=None) -> int:
     p.add_argument("--label", default="")
     p.add_argument("--choice", default="", choices=["", "planner", "neighbour"],
                    help="issue 29's calibration rows: the planner's own pick, or a neighbour of it (--variant)")
+    p.add_argument("--of", default="", help="the label of the planner's pick a neighbour row belongs to")
     p.add_argument("--variant", default="", help="a neighbour of the planner's pick: kept+N, kept-N, swapped+N, "
                                                  "swapped-N or other-base")
     p.add_argument("--speed-rows", help="also append issue 23's `impl: ugpum_cli` row (bench/results/speed.json's "
@@ -302,7 +303,7 @@ def speed_row(a, row: dict, plan) -> dict:
     the clocks it ran at."""
     timed = row["step_seconds"][4:]
     return {"model": row["model"], "impl": "ugpum_cli", "mode": row["base_compute"], "compiled": a.compile == "on",
-            "compile": a.compile, "choice": a.choice, "variant": a.variant,
+            "compile": a.compile, "choice": a.choice, "variant": a.variant, "of": a.of,
         "recompute": a.recompute, "kept_blocks": len(plan.kept_activations) if plan else None,
             "card_gib": a.card_gib, "s_per_step": round(statistics.median(timed), 4) if timed else None,
             "timed_steps": len(timed), "peak_gib": row["peak_gib"], "sm_clock_mhz": row.get("sm_clock_mhz_median"),
@@ -324,7 +325,7 @@ def case_row(a, rc: int, plans: list, out: Path, log: str, clocks: dict, meter: 
         "resolution": a.resolution, "frames": a.frames, "steps": len(steps),
         "s_per_step": round(statistics.median(timed), 4) if timed else None,
         "step_seconds": [round(s["seconds"], 4) for s in steps],
-        "compile": a.compile, "choice": a.choice, "variant": a.variant,
+        "compile": a.compile, "choice": a.choice, "variant": a.variant, "of": a.of,
         "recompute": a.recompute, "kept_blocks": len(plan.kept_activations) if plan else None,
         "peak_gib": round(peak_allocated, 3) if torch.cuda.is_available() else None,
         "peak_reserved_gib": round(peak_reserved, 3) if torch.cuda.is_available() else None,
