@@ -283,6 +283,11 @@ def host_device() -> Device:
                   tflops_bf16=CPU_TFLOPS_BF16, host_gbps=CPU_MEMCPY_GBPS, link="host")
 
 
+def host_memory() -> tuple[int, int]:
+    """(total, available) bytes of this machine's RAM; (0, 0) where it cannot be read."""
+    return _host_memory()
+
+
 def _host_memory() -> tuple[int, int]:
     try:  # psutil comes with ComfyUI and works on Windows too
         import psutil

@@ -360,7 +360,7 @@ def make_plan(spec: ArchSpec, devices: list[Device], w: Workload, grad_accum: in
                 base_compute=w.base_compute, **solved,
                 assumed=[f"{d.label}: {memory_assumed(d)}; {speed_assumed(d)}" for d in devices
                          if d.torch_device != "cpu"])
-    plan.verdict = verdict(plan, devices)
+    plan.verdict = verdict(plan, devices) + host_shortfall(plan, devices)
     return plan
 
 
@@ -509,6 +509,22 @@ def verdict(plan: Plan, devices: list[Device]) -> str:
         compare = f"{max(ratio, 1 / ratio):.2f}x {'faster' if ratio > 1 else 'slower'}"
     return (split + f"; one GPU with swap: {swap['predicted_step_s']:.2f} s/step, streaming "
             f"{swap['swap_bytes_per_step'] / GIB:.1f} GiB per step. Split: {compare}.")
+
+
+def host_shortfall(plan: Plan, devices: list[Device]) -> str:
+    """For this machine's own GPUs: a sentence when the run's host memory peak exceeds the RAM available
+    now, with what to change ('' when it fits, or for cards described by hand: their host is not this one)."""
+    if not any((d.torch_device or "").startswith("cuda") for d in devices):
+        return ""
+    from .devices import host_memory
+    _, available = host_memory()
+    if not available or plan.forecast_host_gib * GIB <= available:
+        return ""
+    fix = (f"base compute fp8 or int8 ({setting('base_compute', 'auto')}) holds half of the swapped blocks' "
+           "pinned copies" if plan.base_compute == "bf16" and plan.offloaded_blocks else
+           "close other programs, or train at a lower resolution")
+    return (f" Host memory: the run needs {plan.forecast_host_gib:.1f} GiB at its peak and {available / GIB:.1f} GiB "
+            f"is available now; {fix}.")
 
 
 def _explain_failure(spec, devices, w, grad_accum, in_flight) -> str:
