@@ -2,7 +2,6 @@
 copies of the swapped blocks; `plan` shows it, and says what to change when this machine's RAM is short."""
 from __future__ import annotations
 
-
 import pytest
 
 from ugpum import cost
