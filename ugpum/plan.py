@@ -373,6 +373,7 @@ def plan_training(spec: ArchSpec, devices: list[Device], w: Workload, grad_accum
     blocks lists the 8-bit plans the devices could run instead (`Plan.alternatives`)."""
     if w.base_compute == "auto":
         return choose_base_compute(spec, devices, w, grad_accum, schedule, split)
+    _check_eight_bit(w.base_compute, devices)
     plan = _plan_for_schedule(spec, devices, w, grad_accum, schedule, split)
     if w.base_compute == "bf16" and plan.offloaded_blocks:
         plan.alternatives = _eight_bit_alternatives(spec, devices, w, grad_accum, schedule, split)
@@ -387,6 +388,23 @@ def _plan_for_schedule(spec, devices, w, grad_accum, schedule, split) -> Plan:
         plan = make_plan(spec, devices, w, grad_accum=grad_accum, in_flight=held, split=split)
     plan.schedule, plan.in_flight = chosen, held
     return plan
+
+
+def _check_eight_bit(mode: str, devices: list[Device]) -> None:
+    """PlanError when a GPU lacks the tensor cores of the 8-bit `mode` asked for (an RTX 30 card has int8
+    but no fp8 ones); the CPU's emulation (tests) is not checked here."""
+    from .base_compute import eight_bit_mode
+    if mode == "bf16":
+        return
+    for d in devices:
+        if d.torch_device == "cpu" or d.compute_capability is None:
+            continue
+        has = eight_bit_mode(d.compute_capability)
+        if has is None or (mode == "fp8" and has != "fp8"):
+            other = (f"{setting('base_compute', has)} runs on its {has} tensor cores, or " if has else "")
+            raise PlanError(f"base compute {mode} needs {mode} tensor cores and {d.label} has none (compute "
+                            f"capability {d.compute_capability[0]}.{d.compute_capability[1]}): {other}"
+                            f"{setting('base_compute', 'bf16')} computes in bf16")
 
 
 def devices_eight_bit_mode(devices: list[Device]) -> str | None:
