@@ -81,10 +81,9 @@ class Plan:
 def usable_bytes(device: Device) -> float:
     """What training can have of `device`: a detected GPU's free memory (read with its CUDA context made,
     and with whatever the desktop holds at that moment); a card described by hand, its total less the
-    CUDA context and what the desktop keeps (`Device.desktop_bytes`)."""
-    if device.torch_device is not None:
-        return device.free_bytes
-    return device.free_bytes - CUDA_CONTEXT - device.desktop_bytes
+    CUDA context; either less what is left to the desktop (`Device.desktop_bytes`)."""
+    context = CUDA_CONTEXT if device.torch_device is None else 0
+    return device.free_bytes - context - device.desktop_bytes
 
 
 def budget_bytes(device: Device) -> float:
@@ -96,6 +95,8 @@ def memory_assumed(device: Device) -> str:
     """How the plan reads `device`'s memory, in words."""
     if device.torch_device is not None:
         what = f"{device.free_bytes / GIB:.1f} GiB free when planned"
+        if device.desktop_bytes:
+            what += f" less {device.desktop_bytes / GIB:g} for the desktop to grow (it drives a display)"
     else:
         what = (f"{device.total_bytes / GIB:g} GiB less {CUDA_CONTEXT / GIB:.2f} for the CUDA context and "
                 f"{device.desktop_bytes / GIB:g} for the desktop")

@@ -143,6 +143,8 @@ class TrainConfig:
     sample_guidance: float | None = None  # the same input for previews; unset: the model's sampling
                                           # default (4.0, ComfyUI's FLUX.2 template)
     devices: list[str] = field(default_factory=lambda: ["auto"])
+    desktop_gib: float | None = None      # GPU memory left to the desktop on each card; unset: 0.5 on a card that
+                                          # drives a display (a card described by name or size is taken to), else 0
     schedule: str = "auto"                # micro-batch order: auto | sequential | gpipe | 1f1b; distributed runs
     #                                       also interleaved-1f1b | zero-bubble (two stages per rank)
     save_every: int = 0                   # a checkpoint (and LoRA) every N steps; 0: by time only
@@ -200,6 +202,8 @@ class TrainConfig:
              "under autocast: set autocast = true, or weight_dtype = fp32")
         need(self.guidance is None or 0 <= self.guidance <= 100, "guidance",
              "a number from 0 to 100 (training default 1.0), or leave it unset")
+        need(self.desktop_gib is None or 0 <= self.desktop_gib <= 64, "desktop_gib",
+             "GiB from 0 to 64 left to the desktop on each GPU (0: a card that drives no display), or leave it unset")
         need(self.sample_guidance is None or 0 <= self.sample_guidance <= 100, "sample_guidance",
              "a number from 0 to 100 (FLUX.2 dev's sampling default is 4.0), or leave it unset")
         need(self.schedule in SCHEDULE_SETTINGS, "schedule",
