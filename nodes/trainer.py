@@ -40,7 +40,7 @@ def _has_images(folder: Path) -> bool:
     try:
         return any(p.suffix.lower() in IMAGE_EXTENSIONS for p in folder.iterdir() if p.is_file()) \
             or folder_has_clips(folder)
-    except OSError:
+    except (OSError, ValueError):                 # a folder it cannot read is not offered
         return False
 
 

@@ -114,7 +114,7 @@ def _train(cfg: TrainConfig, out: Path, model, encoders, key_prefix: str, resume
             if stepper.lead:
                 keep_metrics_until(out, run.start)           # steps after the checkpoint are trained again
         samples = Samples(cfg, spec, out, stepper.model, getattr(encoders, "decode", None), features.prompt,
-                          features.negative, run.items, h.on_sample) if cfg.sample_every and stepper.can_sample \
+                          features.negative, run.items, h.on_sample, say) if cfg.sample_every and stepper.can_sample \
             else None
         if cfg.sample_every and samples is None:
             say(f"samples: {stepper.name} renders none (sample_every = {cfg.sample_every} is ignored); the validation "
