@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from ..folders import read_fix, read_reason
+from ..folders import read_fix, read_reason, shown_path
+from ..wording import quoted
 from .errors import DatasetError
 from .pictures import (IMAGE_EXTENSIONS, MAX_IMAGE_PIXELS, MIN_IMAGE_SIDE, image_size, is_picture,  # noqa: F401
                        open_rgb, skipped_note, skipped_pictures)
@@ -47,15 +48,20 @@ def resolve_inside(root: Path | str, relative: Path | str, what: str = "") -> Pa
     Resolving first means `..` and symlinks are judged by where they really point.
     """
     root_resolved = Path(root).resolve()
-    candidate = (root_resolved / relative).resolve()
+    try:
+        candidate = (root_resolved / relative).resolve()
+    except (OSError, RuntimeError) as error:            # a name too long, a symlink loop (RuntimeError before 3.13)
+        why = read_reason(error) if isinstance(error, OSError) else "it is a symlink that loops back on itself"
+        raise DatasetError(f"{what or f'path {quoted(str(relative))}'} cannot be looked up: {why}; use a path "
+                           f"inside {root_resolved}") from None
     if not candidate.is_relative_to(root_resolved):
-        label = what or f"path {str(relative)!r}"
+        label = what or f"path {quoted(str(relative))}"
         named = Path(os.path.normpath(root_resolved / relative))
         if named.is_relative_to(root_resolved):
-            raise DatasetError(f"{label} is or passes through a symlink to {candidate}, outside the allowed folder "
-                               f"{root_resolved}; copy the files into that folder rather than linking them")
-        raise DatasetError(f"{label} resolves to {candidate}, outside the allowed folder {root_resolved}; use a "
-                           "path inside that folder")
+            raise DatasetError(f"{label} is or passes through a symlink to {shown_path(candidate)}, outside the "
+                               f"allowed folder {root_resolved}; copy the files into that folder rather than linking them")
+        raise DatasetError(f"{label} resolves to {shown_path(candidate)}, outside the allowed folder {root_resolved}; "
+                           "use a path inside that folder")
     return candidate
 
 

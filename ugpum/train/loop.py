@@ -144,9 +144,23 @@ class RunState:
 
     def save(self, name: str, stopping: bool = False) -> Path | None:
         """A checkpoint and the LoRA at the current step (written by the lead)."""
-        path = self.stepper.save(self.run, self.optimizer, self.step, name, stopping, self.say)
+        try:
+            path = self.stepper.save(self.run, self.optimizer, self.step, name, stopping, self.say)
+        except KeyboardInterrupt as stop:
+            if getattr(stop, "after_save", False):       # a stop held back until the save was complete
+                self.saved = self.step
+            raise
         self.saved = self.step
         return path
+
+    def after_save_note(self) -> str:
+        """A stop just after the save of the current step: what this run trained is all on disk."""
+        out, name = self.run.out, self.cfg.output_name
+        if self.step == self.cfg.steps:
+            return (f"\nstopped after the last step ({self.step}), once its LoRA was saved: {out} keeps "
+                    f"{name}.safetensors and its checkpoint; the run is complete")
+        return (f"\nstopped at step {self.step}, just after its save: {out} keeps the checkpoint and the LoRA of "
+                f"step {self.step}; continue with --resume {out}")
 
     def partial_name(self) -> str:
         done = self.step == self.cfg.steps
@@ -183,6 +197,9 @@ class RunState:
                 stop.told = True
                 if self.hooks.on_partial_lora and partial is not None:
                     self.hooks.on_partial_lora(partial)
+            elif self.step == self.saved > self.run.start and stepper.lead:      # right after a save: all kept
+                self.say(self.after_save_note())
+                stop.told = True
             raise
         return TrainResult(lora_path, self.step, self.losses, self.plan, self.features.hits, self.features.misses,
                            before, after, peak, self.samples.paths if self.samples else [], grid,
