@@ -28,7 +28,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from PIL import Image, ImageOps, UnidentifiedImageError, features
+from PIL import Image, UnidentifiedImageError, features
 
 from ..folders import read_fix, read_reason
 from .errors import DatasetError
@@ -130,6 +130,14 @@ def _orientation(image: Image.Image) -> int:
         return 1
 
 
+def _loaded_orientation(image: Image.Image) -> int:
+    """The EXIF orientation of a decoded picture (a PNG's EXIF after its pixels counts too)."""
+    try:
+        return int(image.getexif().get(0x0112, 1))
+    except Exception:  # noqa: BLE001 - a damaged EXIF block is ignored, as exif_transpose does
+        return 1
+
+
 def _complete(image: Image.Image, path: Path) -> bool | None:
     """Whether the file holds all its pixel data, judged without decoding it (None: cannot tell cheaply).
     PNG: every chunk's CRC up to IEND. JPEG: an end-of-image marker after the first scan (0xFF 0xD9
@@ -169,13 +177,22 @@ def image_size(path: Path) -> tuple[int, int]:
     return (height, width) if turned else (width, height)
 
 
+# EXIF orientation -> the turn that makes the picture upright (as ImageOps.exif_transpose turns it)
+_UPRIGHT = {2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180, 4: Image.Transpose.FLIP_TOP_BOTTOM,
+            5: Image.Transpose.TRANSPOSE, 6: Image.Transpose.ROTATE_270, 7: Image.Transpose.TRANSVERSE,
+            8: Image.Transpose.ROTATE_90}
+
+
 def open_rgb(path: Path) -> Image.Image:
-    """Decode the whole image (so truncated files fail here), upright per EXIF, as the 8-bit RGB picture
-    it shows (`as_rgb`)."""
+    """Decode the whole image (so truncated files fail here) as the 8-bit RGB picture it shows
+    (`as_rgb`, which reads the file's own tags), then upright per EXIF."""
     try:
         with opened(path) as image:
             image.load()
-            return as_rgb(ImageOps.exif_transpose(image), path)
+            rgb = as_rgb(image, path)
+            rgb = rgb.copy() if rgb is image else rgb              # (closing the file lets go of its pixels)
+            turn = _UPRIGHT.get(_loaded_orientation(image))
+            return rgb.transpose(turn) if turn is not None else rgb
     except DatasetError:
         raise
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as error:
