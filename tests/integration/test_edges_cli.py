@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from comfy_bridge import find_comfyui
 from support.cli_run import REPO, Run, one_sentence, train
+from support.pictures import picture_sets
 from ugpum.train.checkpoint import latest_checkpoint
 
 pytestmark = pytest.mark.skipif(find_comfyui() is None, reason="needs ComfyUI's model classes")
@@ -194,26 +196,6 @@ def test_an_unwritable_home_is_one_sentence_with_the_fix(tmp_path):
 TINY = ["--profile", "tiny-flux2", "--devices", "cpu", "--sample-every", "0"]
 
 
-def picture_sets(root: Path) -> tuple[Path, Path]:
-    """Two datasets of the same pictures and captions: 16-bit PNGs with UTF-16 captions written without a
-    byte-order mark (and a Photoshop file beside them), and their 8-bit twins with UTF-8 captions."""
-    import numpy as np
-    from PIL import Image
-    deep, twin = root / "deep", root / "twin"
-    deep.mkdir()
-    twin.mkdir()
-    for i, width in enumerate((64, 80)):
-        ramp = np.tile(np.linspace(0, 65535, width).round().astype(np.uint16), (48, 1))
-        ramp = np.roll(ramp, 7 * i, axis=1)
-        Image.fromarray(ramp).save(deep / f"{i}.png")                                    # mode I;16
-        Image.fromarray((ramp / 257).round().astype(np.uint8)).convert("RGB").save(twin / f"{i}.png")
-        caption = f"loranne, a grey ramp number {i}"
-        (deep / f"{i}.txt").write_bytes(caption.encode("utf-16-le"))
-        (twin / f"{i}.txt").write_text(caption, encoding="utf-8")
-    (deep / "layers.psd").write_bytes(b"8BPS")
-    return deep, twin
-
-
 def test_a_16_bit_picture_and_its_8_bit_twin_train_on_the_same_latents_and_utf16_captions_on_their_text(tmp_path):
     deep, twin = picture_sets(tmp_path)
     runs = {}
@@ -359,13 +341,18 @@ def test_a_writer_killed_during_the_final_save_leaves_nothing_past_the_next_run(
     run.wait_for("saving checkpoint and LoRA at step 2")
     run.proc.kill()                                          # SIGKILL, and not yet reaped: a zombie until wait()
     try:
+        state = Path(f"/proc/{run.proc.pid}/stat")
+        deadline = time.monotonic() + 60                     # (a process in a disk write dies when the write ends)
+        while state.read_text().rsplit(")", 1)[1].split()[0] != "Z" and time.monotonic() < deadline:
+            time.sleep(0.01)
         left = [out / f".ugpum_lora.safetensors.{run.proc.pid}-0123456789ab.tmp",   # what its writes leave
                 out / "cache" / "latents" / f".{'0' * 40}.safetensors.{run.proc.pid}-0123456789ab.tmp"]
         for path in left:
             path.write_bytes(b"half")
         rc, text = train(*BASE, "--steps", "1", "--out", str(out), "--overwrite")
         assert rc == 0, text
-        assert not list(out.rglob("*.tmp")) and "temporary file(s) an interrupted save left" in text, text
+        assert not list(out.rglob("*.tmp")), (list(out.rglob("*.tmp")), text)
+        assert "temporary file(s) an interrupted save left" in text, text
     finally:
         run.finish()
 
