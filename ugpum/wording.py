@@ -73,9 +73,9 @@ def for_nodes(text: str) -> str:
     return _replace(text, word)
 
 
-def quoted(value: object, limit: int = 80) -> str:
+def quoted(value: object, limit: int = 300) -> str:
     """`value` as a message quotes it (its repr), cut to about `limit` characters with how much was left
-    out: a message never repeats a 10 MB input back."""
+    out: a message never repeats a 10 MB input back (a name a file may take, 255 bytes, is shown whole)."""
     text = repr(value)
     if len(text) <= limit:
         return text

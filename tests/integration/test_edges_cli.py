@@ -423,7 +423,7 @@ def test_one_rule_for_lora_names_and_a_huge_name_is_quoted_cut(tmp_path):
     assert rc == 0 and sorted(p.name for p in (tmp_path / "run").glob("*.safetensors")) == ["mine.safetensors"], text
     config.write_text(f'output_name = "{"n" * (10 * 2**20)}"\n')
     rc, text = train(*BASE, "--config", str(config), "--steps", "1", "--out", str(tmp_path / "huge"))
-    assert rc == 2 and "... (10,485,760 characters): is too long" in text and len(text) < 500, text[:500]
+    assert rc == 2 and "... (10,485,760 characters): is too long" in text and len(text) < 700, text[:700]
     config.write_text(f'output_name = "{"x" * 236}"\n')     # with '_step1.safetensors': all 255 bytes a name may take
     rc, text = train(*BASE, "--config", str(config), "--steps", "1", "--out", str(tmp_path / "long"))
     assert rc == 0 and (tmp_path / "long" / f"{'x' * 236}.safetensors").is_file(), text
