@@ -315,3 +315,17 @@ def test_a_huge_setting_is_quoted_cut_in_its_message():
     text = str(caught.value)
     assert text.startswith("setting 'output_name' = 'xxxx") and "... (10,485,760 characters): is too long" in text
     assert len(text) < 600
+
+
+def test_a_wan_frame_folder_of_16_bit_frames_reads_as_its_8_bit_twin(tmp_path):
+    from ugpum.train.video import first_frame_size, read_frames
+    ramp = grey_ramp()
+    for name in ("deep", "twin"):
+        (tmp_path / name).mkdir()
+    for i in range(5):
+        frame = np.roll(ramp, 3 * i, axis=1)
+        Image.fromarray(frame).save(tmp_path / "deep" / f"{i + 1:04d}.png")
+        twin_of(frame).save(tmp_path / "twin" / f"{i + 1:04d}.png")
+    assert first_frame_size(tmp_path / "deep", 5) == first_frame_size(tmp_path / "twin", 5) == (64, 48)
+    deep, twin = read_frames(tmp_path / "deep", 5), read_frames(tmp_path / "twin", 5)
+    assert [pixels(f) for f in deep] == [pixels(f) for f in twin]

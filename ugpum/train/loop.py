@@ -197,7 +197,8 @@ class RunState:
                 stop.told = True
                 if self.hooks.on_partial_lora and partial is not None:
                     self.hooks.on_partial_lora(partial)
-            elif self.step == self.saved > self.run.start and stepper.lead:      # right after a save: all kept
+            elif self.step == self.saved > self.run.start and stepper.lead and not getattr(stop, "told", False):
+                # right after a save: all it trained is kept
                 self.say(self.after_save_note())
                 stop.told = True
             raise
@@ -236,7 +237,9 @@ class RunState:
                 progress.update(self.step, loss)
             if signum:                        # a signal on some rank: every rank saves and stops together
                 self.save(self.partial_name(), stopping=True)
-                raise stepper.stopped(self.step, self.run.out)
+                stop = stepper.stopped(self.step, self.run.out)
+                stop.told = True              # (its own sentence says what is kept)
+                raise stop
             if self.step == self.run.start + 1 and compile_stats().graphs:      # what the first step compiled
                 self.say(compile_stats().line())
             if h.on_step:
