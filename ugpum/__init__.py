@@ -9,9 +9,9 @@ What a library user calls:
     print(format_plan(plan))
     result = train(load_config("klein-9b-1024", overrides={...}), "out/", model=..., encoders=...)
 """
-from .startup import stops_while_starting
+from .startup import stops_while_starting as _stops_while_starting
 
-with stops_while_starting():        # the command line's imports: a stop is one sentence (ugpum/startup.py)
+with _stops_while_starting():       # the command line's imports: a stop is one sentence (ugpum/startup.py)
     from .arch import UnknownModel, Workload, get_spec, recognise
     from .devices import Device, DeviceError, parse_device_specs, resolve_devices
     from .forecast import format_plan

@@ -306,17 +306,34 @@ def test_a_sample_that_cannot_be_written_is_said_and_the_run_trains_on(tmp_path)
     assert steps_logged(out) == [1, 2, 3] and (out / "ugpum_lora.safetensors").is_file()
 
 
-def test_a_stop_just_after_a_save_says_all_is_kept_and_the_resume_goes_on(tmp_path):
+def test_a_stop_after_the_last_save_says_the_run_is_complete_not_that_nothing_was_trained(tmp_path):
+    out, config = tmp_path / "run", tmp_path / "sample.toml"
+    assert train(*BASE, "--steps", "1", "--out", str(out))[0] == 0
+    config.write_text("sample_steps = 50\nsample_every = 1000\n")      # a resume renders only the "after" sample
+    run = Run(*BASE[:-2], "--config", str(config), "--steps", "2", "--resume", str(out))
+    run.wait_for("validation loss after 2 steps")                        # the last save is done; the sample renders
+    run.proc.send_signal(signal.SIGINT)
+    rc, text = run.finish()
+    assert rc == 130 and f"stopped after the last step (2), once its LoRA was saved: {out} keeps ugpum_lora.safetensors " \
+        "and its checkpoint; the run is complete" in text, text
+    assert "stopped before any new step was trained" not in text         # (what it said before: untrue)
+    one_sentence(text)
+    assert steps_logged(out) == [1, 2] and latest_checkpoint(out).name == "step_000002"
+    rc, text = train(*BASE, "--steps", "2", "--resume", str(out))
+    assert rc == 0 and "the run is finished (2 of 2 steps trained" in text, text
+
+
+def test_a_stop_between_periodic_saves_says_what_is_kept_and_the_resume_goes_on(tmp_path):
     out, config = tmp_path / "run", tmp_path / "every.toml"
-    config.write_text("save_every = 1\n")                   # every step is saved: any stop comes right after a save
+    config.write_text("save_every = 1\n")
     run = Run(*BASE, "--config", str(config), "--steps", "300", "--out", str(out))
     run.wait_for_metrics(out, 2)
     run.proc.send_signal(signal.SIGINT)
     rc, text = run.finish()
     step = steps_logged(out)[-1]
-    assert rc == 130 and f"stopped at step {step}, just after its save: {out} keeps the checkpoint and the LoRA of " \
-        f"step {step}; continue with --resume {out}" in text, text
-    assert "stopped before any new step was trained" not in text
+    assert rc == 130 and "stopped before any new step was trained" not in text, text
+    assert f"stopped at step {step}, just after its save: {out} keeps the checkpoint and the LoRA of step {step}; " \
+        f"continue with --resume {out}" in text or f"stopped at step {step}: checkpoint and LoRA saved in {out}" in text
     one_sentence(text)
     assert latest_checkpoint(out).name == f"step_{step:06d}"
     rc, text = train(*BASE, "--config", str(config), "--steps", str(step + 1), "--resume", str(out))
