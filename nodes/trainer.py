@@ -71,8 +71,8 @@ def dataset_path(choice: str) -> tuple[Path, Path]:
     else:
         raise UGPUMError(f"{NODE}: unknown dataset {quoted(choice)}; pick one from the list.")
     if too_long_name(root / name, room=0):              # no such file can exist (the system would refuse the name)
-        raise UGPUMError(f"{NODE}: dataset {quoted(choice)} is no dataset in the list ({too_long_name(root / name, 0)}); "
-                         "pick one from the list.")
+        raise UGPUMError(f"{NODE}: dataset {quoted(choice)} is no dataset in the list "
+                         f"({too_long_name(root / name, 0)}); pick one from the list.")
     with user_errors(NODE):
         path = resolve_inside(root, name, f"dataset {quoted(choice)}")
     if not path.exists():

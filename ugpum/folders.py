@@ -89,7 +89,8 @@ def shown_path(path: Path | str, limit: int = 200) -> str:
 # errno -> why a path cannot be read, in words
 _READ_REASONS = {errno.EACCES: "this user may not read it (permission denied)",
                  errno.EPERM: "this user may not read it (operation not permitted)",
-                 errno.EISDIR: "it is a folder, not a file", errno.ENOTDIR: "a part of its path is a file, not a folder",
+                 errno.EISDIR: "it is a folder, not a file",
+                 errno.ENOTDIR: "a part of its path is a file, not a folder",
                  errno.ENOENT: "it is not there (deleted or moved while the run read it)",
                  errno.ENAMETOOLONG: "its path is longer than this system takes",
                  errno.ELOOP: "it is a symlink that loops back on itself",

@@ -205,12 +205,14 @@ def test_a_16_bit_picture_and_its_8_bit_twin_train_on_the_same_latents_and_utf16
         runs[data.name] = text
     assert (f"note: {deep}: skipped 1 picture(s) of a kind UGPUM does not read (layers.psd); to train on them, "
             "convert them to PNG or JPEG") in runs["deep"]
-    cached = {name: [load_file(str(p))["value"] for p in sorted((tmp_path / f"run_{name}" / "cache" / "latents").iterdir(),
-                                                                 key=lambda p: p.stat().st_mtime_ns)]
-              for name in runs}
-    assert len(cached["deep"]) == len(cached["twin"]) == 2
-    for a, b in zip(cached["deep"], cached["twin"]):
-        assert a.shape == b.shape and torch.allclose(a, b, rtol=2**-8, atol=2**-8 * float(b.abs().max())), \
+    def latents(name: str) -> dict[tuple, torch.Tensor]:       # by shape: a landscape and a portrait picture
+        tensors = [load_file(str(p))["value"] for p in (tmp_path / f"run_{name}" / "cache" / "latents").iterdir()]
+        return {tuple(t.shape): t for t in tensors}
+    cached = {name: latents(name) for name in runs}
+    assert len(cached["deep"]) == 2 and cached["deep"].keys() == cached["twin"].keys()
+    for shape, a in cached["deep"].items():
+        b = cached["twin"][shape]
+        assert torch.allclose(a, b, rtol=2**-8, atol=2**-8 * float(b.abs().max())), \
             float((a - b).abs().max())                      # equal within bf16 rounding (here: equal)
     text_keys = {name: sorted(p.name for p in (tmp_path / f"run_{name}" / "cache" / "text").iterdir()) for name in runs}
     assert text_keys["deep"] == text_keys["twin"]           # the same caption texts, whatever their encoding
@@ -314,8 +316,8 @@ def test_a_stop_after_the_last_save_says_the_run_is_complete_not_that_nothing_wa
     run.wait_for("validation loss after 2 steps")                        # the last save is done; the sample renders
     run.proc.send_signal(signal.SIGINT)
     rc, text = run.finish()
-    assert rc == 130 and f"stopped after the last step (2), once its LoRA was saved: {out} keeps ugpum_lora.safetensors " \
-        "and its checkpoint; the run is complete" in text, text
+    assert rc == 130 and f"stopped after the last step (2), once its LoRA was saved: {out} keeps " \
+        "ugpum_lora.safetensors and its checkpoint; the run is complete" in text, text
     assert "stopped before any new step was trained" not in text         # (what it said before: untrue)
     one_sentence(text)
     assert steps_logged(out) == [1, 2] and latest_checkpoint(out).name == "step_000002"

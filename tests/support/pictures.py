@@ -13,9 +13,8 @@ def picture_sets(root: Path) -> tuple[Path, Path]:
     deep, twin = root / "deep", root / "twin"
     deep.mkdir()
     twin.mkdir()
-    for i, width in enumerate((64, 80)):
-        ramp = np.tile(np.linspace(0, 65535, width).round().astype(np.uint16), (48, 1))
-        ramp = np.roll(ramp, 7 * i, axis=1)
+    for i, (width, height) in enumerate(((64, 48), (48, 64))):    # landscape and portrait: two bucket shapes
+        ramp = np.tile(np.linspace(0, 65535, width).round().astype(np.uint16), (height, 1))
         Image.fromarray(ramp).save(deep / f"{i}.png")                                    # mode I;16
         Image.fromarray((ramp / 257).round().astype(np.uint8)).convert("RGB").save(twin / f"{i}.png")
         caption = f"loranne, a grey ramp number {i}"

@@ -219,7 +219,8 @@ def test_other_modes_become_the_picture_they_show(tmp_path):
     Image.new("1", (32, 32), 1).save(tmp_path / "one.png")
     Image.new("RGB", (32, 32), (10, 200, 30)).convert("YCbCr").save(tmp_path / "ycc.tif")
     got = {p.name: open_rgb(p).getpixel((5, 5)) for p in sorted(tmp_path.iterdir())}
-    assert all(r > 240 and g < 15 and b < 15 for r, g, b in (got["cmyk.jpg"], got["cmyk.tif"], got["cmyk_bad_profile.jpg"]))
+    reds = (got["cmyk.jpg"], got["cmyk.tif"], got["cmyk_bad_profile.jpg"])
+    assert all(r > 240 and g < 15 and b < 15 for r, g, b in reds), reds
     assert all(abs(a - b) <= 10 for a, b in zip(got["lab.tif"], (10, 200, 30))), got["lab.tif"]
     assert all(abs(a - b) <= 3 for a, b in zip(got["ycc.tif"], (10, 200, 30))), got["ycc.tif"]
     assert got["one.png"] == (255, 255, 255)

@@ -59,7 +59,8 @@ def resolve_inside(root: Path | str, relative: Path | str, what: str = "") -> Pa
         named = Path(os.path.normpath(root_resolved / relative))
         if named.is_relative_to(root_resolved):
             raise DatasetError(f"{label} is or passes through a symlink to {shown_path(candidate)}, outside the "
-                               f"allowed folder {root_resolved}; copy the files into that folder rather than linking them")
+                               f"allowed folder {root_resolved}; copy the files into that folder rather than linking "
+                               "them")
         raise DatasetError(f"{label} resolves to {shown_path(candidate)}, outside the allowed folder {root_resolved}; "
                            "use a path inside that folder")
     return candidate

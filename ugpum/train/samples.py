@@ -46,7 +46,8 @@ class Samples:
         elif is_disk_full(error):
             why, fix = str(error), "free space on that disk"
         else:
-            target = getattr(error, "filename2", None) or getattr(error, "filename", None) or folder   # (rename: its target)
+            # (a rename names its target second)
+            target = getattr(error, "filename2", None) or getattr(error, "filename", None) or folder
             why = f"cannot write {target}: {(error.strerror or str(error)).lower()}"
             fix = f"move what is in the way in {folder}, or make it writable, for samples in later runs"
         self.log(f"samples: {what} failed ({why}); the run trains on without samples (nothing trained is lost): "
