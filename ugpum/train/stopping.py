@@ -62,9 +62,9 @@ def saving(log, stopping: bool = False):
         for s, handler in previous.items():
             signal.signal(s, handler)
     if held and not stopping:
-        if held[0] == signal.SIGINT:
-            raise KeyboardInterrupt
-        raise Stopped(held[0])
+        stop = KeyboardInterrupt() if held[0] == signal.SIGINT else Stopped(held[0])
+        stop.after_save = True               # the save is complete: nothing of it needs doing again
+        raise stop
 
 
 def stopped_note(out, resume: bool = False) -> str:
