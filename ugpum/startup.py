@@ -21,6 +21,21 @@ def is_command_line() -> bool:
     return first == "-m" or first.replace("\\", "/").endswith("/ugpum")
 
 
+@contextlib.contextmanager
+def signals_handled(handler, signals=(signal.SIGINT, signal.SIGTERM)):
+    """For the block, `signals` go to `handler` (in the main thread; elsewhere nothing changes); the
+    handlers before it are restored after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {s: signal.signal(s, handler) for s in signals}
+    try:
+        yield
+    finally:
+        for s, before in previous.items():
+            signal.signal(s, before)
+
+
 def _stop(signum, _frame):
     sys.stderr.write(f"\nstopped by {signal.Signals(signum).name} while starting: nothing was done\n")
     sys.stderr.flush()
@@ -32,12 +47,8 @@ def stops_while_starting(command_line: bool | None = None):
     """For the block (the imports), Ctrl-C and SIGTERM end the command line as the module says; the
     handlers before it are restored after. `command_line`: None tells by `is_command_line()`."""
     guarded = is_command_line() if command_line is None else command_line
-    if not guarded or threading.current_thread() is not threading.main_thread():
+    if not guarded:
         yield
         return
-    previous = {s: signal.signal(s, _stop) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
+    with signals_handled(_stop):
         yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
