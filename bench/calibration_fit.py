@@ -4,7 +4,9 @@
     python bench/calibration_fit.py                  # print the coefficients and each row's forecast error
     python bench/calibration_fit.py --write          # and write ugpum/calibration.json
 
-Rows: bench/results/calibration_fit.jsonl (`bash bench/calibration_session.sh OUT fit fitwan` on the device).
+Rows: bench/results/calibration_fit.jsonl (`bash bench/calibration_session.sh OUT fit fitwan` on the device) and
+bench/results/calibration.json (`... klein`: the planner's picks on cards, made after the first fit; each such
+run first checks the coefficients as they were, then joins the fit).
 
 Memory, in units of the hidden state between two blocks (ArchSpec.boundary_bytes; for a row whose blocks were
 recomputed, the unit is what such a block left alive, which is its output: this reads the tokens the dataset's
@@ -35,7 +37,7 @@ from ugpum.arch import Workload, get_spec  # noqa: E402
 from support import recorded_forecasts  # noqa: E402
 
 GIB, MIB = 1024 ** 3, 1024 ** 2
-ROWS = ROOT / "bench" / "results" / "calibration_fit.jsonl"
+ROWS = [str(path) for path in recorded_forecasts.FILES]
 # Not measured with the 8-bit base run eagerly (compile off): the speeds recorded in bench/results/speed.md
 # (fp8 0.71 s and int8 1.00 s against bf16's 0.61 s, eager klein 9B on an H200), kept as they were.
 EAGER_DENSE_SPEED = {"bf16": 1.0, "fp8": 0.83, "int8": 0.56}
@@ -193,16 +195,17 @@ def time_table(rows: list[dict]) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rows", default=str(ROWS))
+    p.add_argument("--rows", nargs="+", default=ROWS)
     p.add_argument("--write", action="store_true", help="write ugpum/calibration.json")
     a = p.parse_args(argv)
-    rows = [json.loads(line) for line in Path(a.rows).read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for name in a.rows if Path(name).exists()
+            for line in Path(name).read_text().splitlines() if line.strip()]
     fitted = [r for r in rows if r.get("block_kept_mib")]
     calibration = {
         "about": "the planner's measured coefficients (ugpum/cost.py reads them); memory in hidden-state units "
                  "(ArchSpec.boundary_bytes), time as shares of the device's measured bf16 matmul rate",
         "made_by": "python bench/calibration_fit.py --write",
-        "rows": str(Path(a.rows).resolve().relative_to(ROOT)) if Path(a.rows).resolve().is_relative_to(ROOT) else a.rows,
+        "rows": [str(Path(n).resolve().relative_to(ROOT)) if Path(n).resolve().is_relative_to(ROOT) else n for n in a.rows],
         "runs": sorted({f"{r['gpu']}, torch {r['torch']}" for r in fitted}),
         "memory": memory_table(fitted),
         "time": time_table(fitted),

@@ -10,9 +10,9 @@
 #   fit       what the memory model is fitted to (bench/memory_fit.py reads the rows): klein 9B with every
 #             block keeping its activations, compiled bf16 / fp8 / int8 and eager bf16, with the bytes each
 #             block keeps read off the allocator (cards.py's BlockMemory); an 8 and a 16 GiB card as planned
-#   klein     klein 9B, base compute auto + recompute auto, on cards of 8, 10, 12, 16, 24, 32 GiB and the whole GPU
+#   klein     klein 9B, base compute auto + recompute auto, on cards of 8, 10, 12, 16, 24, 32 GiB and the whole GPU,
+#             then the planner's pick against its neighbours on 12, 16 and 24 GiB cards (CARDS overrides the list)
 #   wan       Wan 2.1 14B (17 frames at 640², the area of 832x480) on 16 and 24 GiB cards
-#   neighbours  the planner's pick against its neighbours on 12, 16 and 24 GiB cards (NEIGHBOURS overrides the list)
 # CASE_S bounds each case (s, default 170).
 set -u
 out=${1:?output folder}; shift
@@ -57,19 +57,21 @@ for s in $sections; do
   fitwan) wan
     run_case fitwan-auto-fp8 --model-file $w14 --base-compute fp8 --recompute auto --steps 6 $wan_args ;;
   klein) klein
-    for card in ${CARDS:-8 10 12 16 24 32 whole}; do
-      cap=$([ $card = whole ] || echo "--card-gib $card")
-      run_case klein-$card --model-file $k9 $cap --recompute auto --steps 12 --choice planner
+    # CARDS: card sizes in GiB (whole: the GPU uncapped), and neighbours of the planner's pick as CARD:VARIANT
+    # (kept+2 kept-2 swapped+2 swapped-2: bench/cards.py --variant), in the order given
+    for card in ${CARDS:-8 10 12 16 24 32 whole 12:swapped+2 12:swapped-2 16:kept+2 16:kept-2 24:kept+2 24:kept-2}; do
+      size=${card%%:*}
+      cap=$([ $size = whole ] || echo "--card-gib $size")
+      if [ "$size" = "$card" ]; then
+        run_case klein-$card --model-file $k9 $cap --recompute auto --steps 12 --choice planner
+      else
+        run_case klein-$size-${card#*:} --model-file $k9 $cap --recompute auto --steps 12 --choice neighbour \
+          --variant ${card#*:} --of klein-$size
+      fi
     done ;;
   wan) wan
     for card in 16 24; do
       run_case wan-$card --model-file $w14 --card-gib $card --recompute auto --steps 12 $wan_args --choice planner
-    done ;;
-  neighbours) klein
-    # card:variant, variant one of kept+2 kept-2 swapped+2 swapped-2 other-base
-    for n in ${NEIGHBOURS:-12:swapped+2 12:swapped-2 16:swapped+2 16:swapped-2 24:kept+2 24:kept-2}; do
-      run_case klein-${n%%:*}-${n#*:} --model-file $k9 --card-gib ${n%%:*} --recompute auto --steps 12 \
-        --choice neighbour --variant ${n#*:}
     done ;;
   esac
 done

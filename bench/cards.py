@@ -78,13 +78,22 @@ def cap_card(card_gib: float | None):
     devices.detect_devices = detect_capped
 
 
-def record_plans(kept: list):
-    """Keep every plan that `plan_training` returns (the run's plan is the last one made before training)."""
+def record_plans(kept: list, variant: str = ""):
+    """Keep every plan that `plan_training` returns (the run's plan is the last one made before training);
+    with `variant`, each is first turned into that neighbour of the planner's pick (`neighbour`)."""
     import ugpum.plan as plan_module
     original = plan_module.plan_training
 
-    def recorded(*args, **kwargs):
-        plan = original(*args, **kwargs)
+    depth = [0]                  # (base compute auto plans bf16 through the same function: the outer call counts)
+
+    def recorded(spec, devices, w, *args, **kwargs):
+        depth[0] += 1
+        try:
+            plan = original(spec, devices, w, *args, **kwargs)
+        finally:
+            depth[0] -= 1
+        if variant and depth[0] == 0:
+            plan = neighbour(plan, variant, spec, devices)
         kept.append(plan)
         return plan
     plan_module.plan_training = recorded
@@ -92,6 +101,36 @@ def record_plans(kept: list):
         module = sys.modules.get(name) or __import__(name, fromlist=["_"])
         if getattr(module, "plan_training", None) is original:
             module.plan_training = recorded
+
+
+def neighbour(plan, variant: str, spec, devices):
+    """The planner's one-GPU pick with N more or fewer blocks keeping their activations (kept+N, kept-N: the
+    next or last ones in the planner's own keep order) or swapped (swapped+N, swapped-N: the planner's own
+    swap candidate of that size, its kept blocks then chosen as the planner chooses them), forecast as the
+    planner forecasts any set. A neighbour may not fit the card: the run then says so by running out."""
+    from ugpum.arch import Workload
+    from ugpum.plan import GIB, StageCosts, budget_bytes
+    (stage,) = plan.stages
+    fields = {k: v for k, v in plan.workload.items() if k in Workload.__dataclass_fields__}
+    costs = StageCosts(spec, devices[:1], Workload(**fields), plan.in_flight)
+    what, sign, count = re.fullmatch(r"(kept|swapped)([+-])(\d+)", variant).groups()
+    delta, n = int(count) * (1 if sign == "+" else -1), len(spec.blocks)
+    offloaded, kept = tuple(stage.offloaded), tuple(stage.kept_activations)
+    if what == "kept":
+        order = [i for i in costs.keep_order if i not in offloaded]
+        kept = tuple(sorted(order[:max(0, len(kept) + delta)]))
+    else:
+        size = max(0, len(offloaded) + delta)
+        offloaded = next(o for o in costs._swap_choices(0, n) if len(o) == size)
+        kept = costs._keep_what_fits(0, 0, n, offloaded, budget_bytes(devices[0]))
+    memory = costs._memory(0, 0, n, offloaded, kept)
+    stage.offloaded, stage.kept_activations = list(offloaded), list(kept)
+    stage.forecast_gib = round(sum(memory.values()) / GIB, 3)
+    stage.detail_gib = {k: round(v / GIB, 3) for k, v in memory.items()}
+    stage.seconds = costs.seconds(0, 0, n, offloaded, kept)
+    plan.offloaded_blocks, plan.predicted_step_s = list(offloaded), stage.seconds
+    plan.swap_bytes_per_step = 2 * sum(costs.weight[i] for i in offloaded)
+    return plan
 
 
 class BlockMemory:
@@ -218,6 +257,7 @@ def main(argv=None) -> int:
     p.add_argument("--label", default="")
     p.add_argument("--choice", default="", choices=["", "planner", "neighbour"],
                    help="issue 29's calibration rows: the planner's own pick, or a neighbour of it (--variant)")
+    p.add_argument("--of", default="", help="the label of the planner's pick a neighbour row belongs to")
     p.add_argument("--variant", default="", help="a neighbour of the planner's pick: kept+N, kept-N, swapped+N, "
                                                  "swapped-N or other-base")
     p.add_argument("--speed-rows", help="also append issue 23's `impl: ugpum_cli` row (bench/results/speed.json's "
@@ -230,7 +270,7 @@ def main(argv=None) -> int:
     write_config(config, a)
     cap_card(a.card_gib)
     plans: list = []
-    record_plans(plans)
+    record_plans(plans, a.variant)
     meter = BlockMemory()
     measure_blocks(meter)
     from ugpum.commands import main as ugpum_main
@@ -263,7 +303,7 @@ def speed_row(a, row: dict, plan) -> dict:
     the clocks it ran at."""
     timed = row["step_seconds"][4:]
     return {"model": row["model"], "impl": "ugpum_cli", "mode": row["base_compute"], "compiled": a.compile == "on",
-            "compile": a.compile, "choice": a.choice, "variant": a.variant,
+            "compile": a.compile, "choice": a.choice, "variant": a.variant, "of": a.of,
         "recompute": a.recompute, "kept_blocks": len(plan.kept_activations) if plan else None,
             "card_gib": a.card_gib, "s_per_step": round(statistics.median(timed), 4) if timed else None,
             "timed_steps": len(timed), "peak_gib": row["peak_gib"], "sm_clock_mhz": row.get("sm_clock_mhz_median"),
@@ -285,7 +325,7 @@ def case_row(a, rc: int, plans: list, out: Path, log: str, clocks: dict, meter: 
         "resolution": a.resolution, "frames": a.frames, "steps": len(steps),
         "s_per_step": round(statistics.median(timed), 4) if timed else None,
         "step_seconds": [round(s["seconds"], 4) for s in steps],
-        "compile": a.compile, "choice": a.choice, "variant": a.variant,
+        "compile": a.compile, "choice": a.choice, "variant": a.variant, "of": a.of,
         "recompute": a.recompute, "kept_blocks": len(plan.kept_activations) if plan else None,
         "peak_gib": round(peak_allocated, 3) if torch.cuda.is_available() else None,
         "peak_reserved_gib": round(peak_reserved, 3) if torch.cuda.is_available() else None,

@@ -55,8 +55,9 @@ def user_message(exc: BaseException, file_name: str | None = None) -> str | None
     if isinstance(exc, _optional("ugpum.formats.disk_space", "DiskFull")):   # a full disk: space needed and free
         return _sentence(str(exc))
     if isinstance(exc, OSError) and exc.errno in (errno.EACCES, errno.EROFS, errno.ENAMETOOLONG) and exc.filename:
-        return _sentence(f"Cannot write {exc.filename} ({exc.strerror}); make that folder writable, or set "
-                         "ComfyUI's output folder (--output-directory) to a folder you can write in")
+        from ugpum.folders import shown_path
+        return _sentence(f"Cannot write {shown_path(exc.filename)} ({exc.strerror}); make that folder writable, or "
+                         "set ComfyUI's output folder (--output-directory) to a folder you can write in")
     if isinstance(exc, FileNotFoundError):
         return _sentence(f"File not found: {exc.filename or exc}")
     if isinstance(exc, _optional("torch", "OutOfMemoryError")):

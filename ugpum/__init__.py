@@ -9,14 +9,17 @@ What a library user calls:
     print(format_plan(plan))
     result = train(load_config("klein-9b-1024", overrides={...}), "out/", model=..., encoders=...)
 """
-from .arch import UnknownModel, Workload, get_spec, recognise
-from .devices import Device, DeviceError, parse_device_specs, resolve_devices
-from .forecast import format_plan
-from .place import place, place_by_plan
-from .plan import Plan, PlanError, make_plan, plan_training
-from .train.config import ConfigError, TrainConfig, load_config
-from .train.loop import TrainResult, train
-from .lora import attach_lora
+from .startup import stops_while_starting as _stops_while_starting
+
+with _stops_while_starting():       # the command line's imports: a stop is one sentence (ugpum/startup.py)
+    from .arch import UnknownModel, Workload, get_spec, recognise
+    from .devices import Device, DeviceError, parse_device_specs, resolve_devices
+    from .forecast import format_plan
+    from .place import place, place_by_plan
+    from .plan import Plan, PlanError, make_plan, plan_training
+    from .train.config import ConfigError, TrainConfig, load_config
+    from .train.loop import TrainResult, train
+    from .lora import attach_lora
 
 __all__ = ["ConfigError", "Device", "DeviceError", "Plan", "PlanError", "TrainConfig", "TrainResult", "UnknownModel",
            "Workload", "attach_lora", "format_plan", "get_spec", "load_config", "make_plan", "parse_device_specs",

@@ -18,7 +18,7 @@ import os
 import re
 import tempfile
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Callable
 
@@ -122,9 +122,10 @@ CPU_TFLOPS_BF16 = 1.0
 CPU_MEMCPY_GBPS = 20.0  # one pageable memcpy stream in host RAM
 
 
-# What a card described by hand is assumed to lose to the desktop: a card that drives a display holds the
-# compositor's and the browser's buffers (about 0.3-1 GiB on Linux and Windows desktops). A detected GPU needs
-# no guess: its free memory is read at start.
+# What a card that drives a display is assumed to give the desktop: the compositor's and the browser's
+# buffers (about 0.3-1 GiB on Linux and Windows desktops). A card described by hand is taken to drive one; a
+# detected GPU does when NVML says so (its free memory is read at start; this is room for the desktop to
+# grow while training runs). The `desktop_gib` setting overrides both.
 DESKTOP_BYTES = GIB // 2
 
 
@@ -144,7 +145,9 @@ class Device:
     pcie_width_max: int | None = None
     pcie_width_now: int | None = None
     pci_bus_id: str | None = None
-    desktop_bytes: int = 0  # what the desktop and other programs keep on a card described by hand
+    # What the plan leaves to the desktop: on a card described by hand, what a desktop holds; on a detected
+    # GPU that drives a display (NVML), room for it to grow after the free memory was read
+    desktop_bytes: int = 0
     speed_source: str = ""  # where tflops_bf16 comes from, in words (what the forecast assumes)
 
     def to_json(self) -> dict:
@@ -225,11 +228,20 @@ class DeviceError(ValueError):
     """The devices asked for cannot run the request; the message says what would."""
 
 
-def resolve_devices(specs: list[str], spec, training: bool = False, probe: bool = True) -> list[Device]:
+def with_desktop(devices: list[Device], desktop_gib: float | None) -> list[Device]:
+    """`devices` with `desktop_gib` left to the desktop on every GPU (None: each device's own default)."""
+    if desktop_gib is None:
+        return devices
+    return [replace(d, desktop_bytes=int(desktop_gib * GIB)) if d.torch_device != "cpu" else d for d in devices]
+
+
+def resolve_devices(specs: list[str], spec, training: bool = False, probe: bool = True,
+                    desktop_gib: float | None = None) -> list[Device]:
     """The devices a plan is made over, the same for every front end: this machine's GPUs for
     "auto"/"cuda:N", described ones (16GiB, rtx4090) as typed, the CPU for models small enough when
-    no GPU is here. `training` also refuses what cannot train: described GPUs, the CPU for real models."""
-    devices = parse_device_specs(list(specs), probe=probe)
+    no GPU is here. `training` also refuses what cannot train: described GPUs, the CPU for real models.
+    `desktop_gib`: what each GPU leaves to the desktop (None: `DESKTOP_BYTES` on a card that drives one)."""
+    devices = with_desktop(parse_device_specs(list(specs), probe=probe), desktop_gib)
     small = spec.params <= CPU_TRAINABLE_PARAMS
     if not devices:
         if small:
@@ -281,6 +293,11 @@ def host_device() -> Device:
     total, free = _host_memory()
     return Device(label="cpu", torch_device="cpu", total_bytes=total, free_bytes=free,
                   tflops_bf16=CPU_TFLOPS_BF16, host_gbps=CPU_MEMCPY_GBPS, link="host")
+
+
+def host_memory() -> tuple[int, int]:
+    """(total, available) bytes of this machine's RAM; (0, 0) where it cannot be read."""
+    return _host_memory()
 
 
 def _host_memory() -> tuple[int, int]:
@@ -426,6 +443,7 @@ def _read_nvml_links() -> dict[str, dict]:
                 "width_max": ask("nvmlDeviceGetMaxPcieLinkWidth"),
                 "width_now": ask("nvmlDeviceGetCurrPcieLinkWidth"),
                 "nvlinks": _active_nvlinks(pynvml, handle),
+                "display": bool(ask("nvmlDeviceGetDisplayActive")),
             }
         return found
     except Exception as err:
@@ -518,6 +536,7 @@ def _describe_cuda_device(index: int, nvml_links: dict[str, dict], probe: bool) 
         pcie_width_now=nvml.get("width_now"),
         pci_bus_id=bus_id,
         speed_source=speed,
+        desktop_bytes=DESKTOP_BYTES if nvml.get("display") else 0,
     )
 
 

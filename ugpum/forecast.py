@@ -9,7 +9,7 @@ import dataclasses
 
 from .arch import get_spec
 from .arch.base import latent_frames
-from .devices import Device, parse_device_specs, resolve_devices
+from .devices import Device, parse_device_specs, resolve_devices, with_desktop
 from .plan import GIB, Plan, PlanError, alternatives_text, plan_training
 from .wording import for_cli
 
@@ -110,7 +110,9 @@ def plan_for_config(cfg, devices: list[Device] | None = None, split: list[int] |
     non-square bucket instead of resolution²."""
     spec = spec or get_spec(cfg.model)
     if devices is None:
-        devices = resolve_devices(list(cfg.devices), spec)
+        devices = resolve_devices(list(cfg.devices), spec, desktop_gib=cfg.desktop_gib)
+    else:
+        devices = with_desktop(devices, cfg.desktop_gib)
     w = cfg.workload()
     if bucket:
         w = dataclasses.replace(w, width=bucket[0], height=bucket[1])

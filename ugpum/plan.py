@@ -81,10 +81,9 @@ class Plan:
 def usable_bytes(device: Device) -> float:
     """What training can have of `device`: a detected GPU's free memory (read with its CUDA context made,
     and with whatever the desktop holds at that moment); a card described by hand, its total less the
-    CUDA context and what the desktop keeps (`Device.desktop_bytes`)."""
-    if device.torch_device is not None:
-        return device.free_bytes
-    return device.free_bytes - CUDA_CONTEXT - device.desktop_bytes
+    CUDA context; either less what is left to the desktop (`Device.desktop_bytes`)."""
+    context = CUDA_CONTEXT if device.torch_device is None else 0
+    return device.free_bytes - context - device.desktop_bytes
 
 
 def budget_bytes(device: Device) -> float:
@@ -96,6 +95,8 @@ def memory_assumed(device: Device) -> str:
     """How the plan reads `device`'s memory, in words."""
     if device.torch_device is not None:
         what = f"{device.free_bytes / GIB:.1f} GiB free when planned"
+        if device.desktop_bytes:
+            what += f" less {device.desktop_bytes / GIB:g} for the desktop to grow (it drives a display)"
     else:
         what = (f"{device.total_bytes / GIB:g} GiB less {CUDA_CONTEXT / GIB:.2f} for the CUDA context and "
                 f"{device.desktop_bytes / GIB:g} for the desktop")
@@ -360,7 +361,7 @@ def make_plan(spec: ArchSpec, devices: list[Device], w: Workload, grad_accum: in
                 base_compute=w.base_compute, **solved,
                 assumed=[f"{d.label}: {memory_assumed(d)}; {speed_assumed(d)}" for d in devices
                          if d.torch_device != "cpu"])
-    plan.verdict = verdict(plan, devices)
+    plan.verdict = verdict(plan, devices) + host_shortfall(plan, devices)
     return plan
 
 
@@ -373,6 +374,7 @@ def plan_training(spec: ArchSpec, devices: list[Device], w: Workload, grad_accum
     blocks lists the 8-bit plans the devices could run instead (`Plan.alternatives`)."""
     if w.base_compute == "auto":
         return choose_base_compute(spec, devices, w, grad_accum, schedule, split)
+    _check_eight_bit(w.base_compute, devices)
     plan = _plan_for_schedule(spec, devices, w, grad_accum, schedule, split)
     if w.base_compute == "bf16" and plan.offloaded_blocks:
         plan.alternatives = _eight_bit_alternatives(spec, devices, w, grad_accum, schedule, split)
@@ -387,6 +389,23 @@ def _plan_for_schedule(spec, devices, w, grad_accum, schedule, split) -> Plan:
         plan = make_plan(spec, devices, w, grad_accum=grad_accum, in_flight=held, split=split)
     plan.schedule, plan.in_flight = chosen, held
     return plan
+
+
+def _check_eight_bit(mode: str, devices: list[Device]) -> None:
+    """PlanError when a GPU lacks the tensor cores of the 8-bit `mode` asked for (an RTX 30 card has int8
+    but no fp8 ones); the CPU's emulation (tests) is not checked here."""
+    from .base_compute import eight_bit_mode
+    if mode == "bf16":
+        return
+    for d in devices:
+        if d.torch_device == "cpu" or d.compute_capability is None:
+            continue
+        has = eight_bit_mode(d.compute_capability)
+        if has is None or (mode == "fp8" and has != "fp8"):
+            other = (f"{setting('base_compute', has)} runs on its {has} tensor cores, or " if has else "")
+            raise PlanError(f"base compute {mode} needs {mode} tensor cores and {d.label} has none (compute "
+                            f"capability {d.compute_capability[0]}.{d.compute_capability[1]}): {other}"
+                            f"{setting('base_compute', 'bf16')} computes in bf16")
 
 
 def devices_eight_bit_mode(devices: list[Device]) -> str | None:
@@ -509,6 +528,22 @@ def verdict(plan: Plan, devices: list[Device]) -> str:
         compare = f"{max(ratio, 1 / ratio):.2f}x {'faster' if ratio > 1 else 'slower'}"
     return (split + f"; one GPU with swap: {swap['predicted_step_s']:.2f} s/step, streaming "
             f"{swap['swap_bytes_per_step'] / GIB:.1f} GiB per step. Split: {compare}.")
+
+
+def host_shortfall(plan: Plan, devices: list[Device]) -> str:
+    """For this machine's own GPUs: a sentence when the run's host memory peak exceeds the RAM available
+    now, with what to change ('' when it fits, or for cards described by hand: their host is not this one)."""
+    if not any((d.torch_device or "").startswith("cuda") for d in devices):
+        return ""
+    from .devices import host_memory
+    _, available = host_memory()
+    if not available or plan.forecast_host_gib * GIB <= available:
+        return ""
+    fix = (f"base compute fp8 or int8 ({setting('base_compute', 'auto')}) holds half of the swapped blocks' "
+           "pinned copies" if plan.base_compute == "bf16" and plan.offloaded_blocks else
+           "close other programs, or train at a lower resolution")
+    return (f" Host memory: the run needs {plan.forecast_host_gib:.1f} GiB at its peak and {available / GIB:.1f} GiB "
+            f"is available now; {fix}.")
 
 
 def _explain_failure(spec, devices, w, grad_accum, in_flight) -> str:

@@ -18,8 +18,8 @@ PROFILES: dict[str, dict] = {
                             lr=1e-4, sample_every=100, timesteps="shift", shift=3.0, weight_dtype="fp8"),
     "wan1.3b-480-clip": dict(model="wan2.1-1.3b", resolution=640, frames=33, rank=32, alpha=32.0, steps=400,
                              lr=2e-4, sample_every=100, timesteps="shift", shift=3.0, weight_dtype="bf16"),
-    # FLUX.2 [dev] (32 B): fp8 base weights (32 GB) fit two 24 GB cards without swap at 1024², where
-    # bf16 (64 GB) would need block swap. The guidance-distilled model trains at guidance 1.0, as
+    # FLUX.2 [dev] (32 B): fp8 base weights (32 GB) split over two 24 GB cards, a few blocks swapped, at 1024²;
+    # bf16 (64 GB) would swap far more. The guidance-distilled model trains at guidance 1.0, as
     # musubi-tuner trains such models (a LoRA learns the data, not the distilled CFG direction), and
     # previews sample at 4.0 (BFL's default, black-forest-labs/flux2 scripts/cli.py; ComfyUI's FLUX.2
     # template's FluxGuidance). lr 1e-4 and rank 16-32 are what dev LoRAs are commonly trained with.

@@ -71,3 +71,13 @@ def for_nodes(text: str) -> str:
         value = _FLAG_VALUES.get((name, value), value)
         return f"{field} on the {node}" if value is None else f"{field} = {value} on the {node}"
     return _replace(text, word)
+
+
+def quoted(value: object, limit: int = 300) -> str:
+    """`value` as a message quotes it (its repr), cut to about `limit` characters with how much was left
+    out: a message never repeats a 10 MB input back (a name a file may take, 255 bytes, is shown whole)."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    size = f"{len(value):,} characters" if isinstance(value, str) else f"{len(text):,} characters as written"
+    return f"{text[:limit]}... ({size})"

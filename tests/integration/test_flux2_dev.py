@@ -266,18 +266,21 @@ def plan_json(*extra: str) -> dict:
     return json.loads(done.stdout)
 
 
-def test_plan_dev_fp8_fits_two_24gib_cards_without_swap():
+def test_plan_dev_fp8_fits_two_24gib_cards_with_a_few_blocks_swapped():
     plan = plan_json("--dtype", "fp8")
     assert plan["model"] == "flux2-dev" and plan["workload"]["weight_dtype"] == "fp8"
-    assert plan["offloaded_blocks"] == [] and plan["swap_bytes_per_step"] == 0
-    assert [len(s["offloaded"]) for s in plan["stages"]] == [0, 0]
+    # (the calibrated planner counts the allocator's slack and 0.5 GiB for a desktop on each card: a few
+    # of the 56 blocks stream from host memory; bf16 streams far more, below)
+    assert 0 < len(plan["offloaded_blocks"]) <= 10
+    bf16 = plan_json("--dtype", "bf16")
+    assert len(bf16["offloaded_blocks"]) > 2 * len(plan["offloaded_blocks"])
     assert all(s["blocks"][1] > s["blocks"][0] for s in plan["stages"])           # both cards hold blocks
     assert plan["stages"][-1]["blocks"][1] == 56 and all(s["forecast_gib"] <= s["budget_gib"] for s in plan["stages"])
-    # fp8 weights at one byte each: the blocks' weights add up to the blocks' parameter count
+    # fp8 weights at one byte each: the resident blocks' weights add up to their parameter count
     spec = get_spec("flux2-dev")
     for s in plan["stages"]:
         a, b = s["blocks"]
-        block_bytes = sum(spec.blocks[i].params for i in range(a, b))
+        block_bytes = sum(spec.blocks[i].params for i in range(a, b) if i not in s["offloaded"])
         assert block_bytes / 2**30 <= s["detail_gib"]["weights"] <= (block_bytes + spec.head_params + 2 * spec.tail_params) / 2**30 + 1e-3
 
 
@@ -291,7 +294,7 @@ def test_plan_dev_bf16_on_the_same_cards_needs_swap(capsys):
     assert "flux2-dev does not fit" in capsys.readouterr().err
 
 
-def test_dev_profile_is_fp8_with_guidance_and_fits_two_24gib_cards():
+def test_dev_profile_is_fp8_with_guidance_and_trains_on_two_24gib_cards():
     c = load_config("flux2-dev-1024")
     assert (c.model, c.weight_dtype, c.guidance, c.sample_guidance, c.resolution, c.lr) == (
         "flux2-dev", "fp8", 1.0, 4.0, 1024, 1e-4)
@@ -299,7 +302,7 @@ def test_dev_profile_is_fp8_with_guidance_and_fits_two_24gib_cards():
     w = Workload(width=c.resolution, height=c.resolution, rank=c.rank, weight_dtype=c.weight_dtype,
                  checkpointing=c.checkpointing)
     plan = make_plan(get_spec(c.model), parse_device_specs(["24GiB", "24GiB"]), w, grad_accum=c.grad_accum)
-    assert plan.offloaded_blocks == []
+    assert len(plan.offloaded_blocks) <= 10 and all(s.blocks[1] > s.blocks[0] for s in plan.stages)
 
 
 # ------------------------------------------------------------------------------------ workflow, bench

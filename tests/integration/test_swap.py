@@ -246,14 +246,14 @@ def _plan_with_some_swap(spec):
     """A plan for a device just too small for the tiny model: the planner picks what to swap."""
     from ugpum.arch import Workload
     from ugpum.devices import Device
-    from ugpum.plan import StageCosts, budget_bytes, make_plan
+    from ugpum.plan import HEADROOM, StageCosts, make_plan
     w = Workload(width=64, height=64, text_tokens=6, checkpointing=True, rank=2)
     dev = Device("tiny", "cpu", 2 ** 40, 2 ** 40, 1.0, 20.0, "unknown")
     n = len(spec.blocks)
     ev = StageCosts(spec, [dev], w, 1)
     full = sum(ev._memory(0, 0, n, ()).values())
     floor = sum(ev._memory(0, 0, n, tuple(range(n))).values())
-    free = int(dev.free_bytes - budget_bytes(dev) + (full + floor) / 2)
+    free = int((full + floor) / 2 / (1 - HEADROOM))          # a budget halfway between the two
     small = dataclasses.replace(dev, total_bytes=free, free_bytes=free)
     plan = make_plan(spec, [small], w)
     assert 0 < len(plan.offloaded_blocks) < len(spec.blocks)

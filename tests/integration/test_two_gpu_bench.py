@@ -254,11 +254,11 @@ def test_bench_cpu_smoke_every_case(comfy, tmp_path):
 def test_bench_run_in_its_own_process_and_a_failing_run(comfy, tmp_path):
     # caps too small for the model even with every block swapped: an entry that says so, exit code 1
     done = run_bench("two_gpu", _args(tmp_path, "--cases", "mixed_caps", "--only", "mixed_caps/even", "--keep-ckpt",
-                                      "--mixed-caps-gib", "0.7502,0.7502"), threads=1)
+                                      "--mixed-caps-gib", "0.0001,0.0001"), threads=1)
     assert done.returncode == 1
     [failed] = json.loads((tmp_path / "out" / "two_gpu.json").read_text())
     assert failed["s_per_step"] is None and failed["error"].startswith("PlanError: manual split [3, 2]")
-    assert "do not fit on cpu capped at 0.7502 GiB" in (tmp_path / "out" / "two_gpu.md").read_text()
+    assert "do not fit on cpu capped at 0.0001 GiB" in (tmp_path / "out" / "two_gpu.md").read_text()
 
     # the run in a child process (as on CUDA), merged into the same results
     assert two_gpu(_args(tmp_path, "--cases", "mixed_caps", "--only", "mixed_caps/planner", "--isolate", "always")) == 0

@@ -2,7 +2,10 @@
 ComfyUI server: a musubi dataset TOML in input/ whose image_directory points outside (absolute, or
 through ..), and a folder in input/ that is a symlink to one outside, are refused with a sentence that
 says why, before anything is written; a TOML whose folder lies inside input/ trains. The Partition
-Planner's settings are checked against the model as the command line's are."""
+Planner's settings are checked against the model as the command line's are. Issue 32: 16-bit pictures
+with UTF-16 captions train on the latents of their 8-bit twins (picture kinds not read are named in the
+log), a caption that is a folder is one sentence, names follow the command line's rule, huge names are
+quoted cut, and a publish a killed ComfyUI left half-done is cleared by the next run."""
 from __future__ import annotations
 
 import json
@@ -14,6 +17,7 @@ import pytest
 import torch
 
 from support.comfy_server import REPO, comfy_server_factory, execution_error  # noqa: F401  (fixture)
+from support.pictures import picture_sets
 
 TINY_FILE = "tiny-flux2.safetensors"
 LORANNE = REPO / "demo_datasets" / "loranne"
@@ -49,6 +53,11 @@ def prepare(models: Path, input_dir: Path) -> None:
     (input_dir / "inside_set" / "borrowed.jpg").symlink_to(outside / sorted(p.name for p in outside.glob("*.jpg"))[0])
     (input_dir / "inside_set" / "borrowed.txt").write_text("loranne")
     copy_images(input_dir / "own_set")
+    picture_sets(input_dir)                                        # input/deep and input/twin (issue 32)
+    copy_images(input_dir / "caption_folder", count=1)
+    caption = next((input_dir / "caption_folder").glob("*.txt"))
+    caption.unlink()
+    caption.mkdir()
     (input_dir / "inside.toml").write_text('[[datasets]]\nimage_directory = "own_set"\nresolution = 64\n'
                                            "enable_bucket = true\n")
 
@@ -133,3 +142,66 @@ def test_a_run_folder_another_run_holds_is_refused(server):
         lock.release()
     assert f"{out} is in use by another run (process {os.getpid()} on " in message, message
     assert not (server.base / "models" / "loras" / "ugpum" / "held_run.safetensors").exists()
+
+
+# ---------------------------------------------------------------- issue 32
+
+def cached(server, save_name: str, kind: str) -> list[Path]:
+    return sorted((server.output_dir / "ugpum" / save_name / "cache" / kind).iterdir())
+
+
+def test_16_bit_pictures_with_utf16_captions_train_on_the_latents_of_their_8_bit_twins(server):
+    from safetensors.torch import load_file
+    for dataset in ("deep", "twin"):
+        entry = server.run(training(f"input/{dataset}", f"pictures_{dataset}"), timeout=300)
+        assert execution_error(entry) is None, json.dumps(execution_error(entry), indent=1)
+    deep, twin = ({tuple(t.shape): t for t in (load_file(str(p))["value"] for p in cached(server, f"pictures_{name}",
+                                                                                          "latents"))}
+                  for name in ("deep", "twin"))            # by shape: a landscape and a portrait picture
+    assert len(deep) == 2 and deep.keys() == twin.keys()
+    for shape, a in deep.items():
+        b = twin[shape]
+        assert torch.allclose(a, b, rtol=2**-8, atol=2**-8 * float(b.abs().max())), float((a - b).abs().max())
+    assert [p.name for p in cached(server, "pictures_deep", "text")] == [p.name for p in cached(server, "pictures_twin",
+                                                                                                  "text")]
+    assert "skipped 1 picture(s) of a kind UGPUM does not read (layers.psd); to train on them, convert them to PNG " \
+        "or JPEG" in server.log()
+
+
+def test_a_caption_that_is_a_folder_is_one_sentence(server):
+    message = refusal(server, training("input/caption_folder", "caption_folder"), "3")
+    assert message.startswith("LoRA Trainer: image ") and "its caption" in message, message
+    assert "is a folder or other non-file, not a text file; replace it by a caption file (it may be empty)" in message
+    assert not (server.base / "models" / "loras" / "ugpum" / "caption_folder.safetensors").exists()
+
+
+def test_a_save_name_with_its_extension_follows_the_command_lines_rule(server):
+    entry = server.run(training("input/inside.toml", "mine.safetensors"), timeout=300)
+    assert execution_error(entry) is None, json.dumps(execution_error(entry), indent=1)
+    loras = server.base / "models" / "loras" / "ugpum"
+    assert (loras / "mine.safetensors").is_file() and not (loras / "mine.safetensors.safetensors").exists()
+    assert (server.output_dir / "ugpum" / "mine" / "ugpum_lora.safetensors").exists() is False   # (named mine)
+    assert (server.output_dir / "ugpum" / "mine" / "mine.safetensors").is_file()
+
+
+@pytest.mark.parametrize("field", ["dataset", "save_name"])
+def test_a_ten_megabyte_name_is_refused_quoting_it_cut(server, field):
+    huge = "input/" + "n" * (10 * 2**20) if field == "dataset" else "n" * (10 * 2**20)
+    prompt = training("input/inside.toml", "huge_name")
+    prompt["3"]["inputs"][field] = huge
+    message = refusal(server, prompt, "3")               # (ComfyUI passes a list input's value on unchecked)
+    assert len(message) < 700 and "... (10,485,7" in message and "Errno" not in message, message[:1000]
+    assert "pick one from the list" in message if field == "dataset" else "is too long" in message
+
+
+def test_a_publish_a_killed_comfyui_left_half_done_is_cleared_by_the_next_run(server):
+    import subprocess
+    loras = server.base / "models" / "loras" / "ugpum"
+    loras.mkdir(parents=True, exist_ok=True)
+    killed = subprocess.Popen(["true"])
+    killed.wait()
+    half = loras / f".earlier.safetensors.{killed.pid}-0123456789ab.tmp"
+    half.write_bytes(b"half a LoRA")
+    entry = server.run(training("input/inside.toml", "after_a_kill"), timeout=300)
+    assert execution_error(entry) is None, json.dumps(execution_error(entry), indent=1)
+    assert (loras / "after_a_kill.safetensors").is_file() and not half.exists()

@@ -18,8 +18,10 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 class Run:
-    def __init__(self, *args: str, env: dict | None = None):
-        self.proc = subprocess.Popen([sys.executable, "-m", "ugpum", "train", *args], cwd=REPO,
+    """`prefix`: a command the child runs under (e.g. setpriv, to drop root's right to read every file)."""
+
+    def __init__(self, *args: str, env: dict | None = None, prefix: tuple[str, ...] = (), verb: str = "train"):
+        self.proc = subprocess.Popen([*prefix, sys.executable, "-m", "ugpum", verb, *args], cwd=REPO,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      env=dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **(env or {})))
         self.lines: queue.Queue[str] = queue.Queue()

@@ -1,7 +1,7 @@
 """A memory cap under which one CPU "device" must swap some, not all, of tiny-flux2's blocks."""
 from ugpum.arch import Workload, get_spec
 from ugpum.devices import host_device
-from ugpum.plan import StageCosts, budget_bytes
+from ugpum.plan import HEADROOM, StageCosts
 
 TINY_WORKLOAD = Workload(width=64, height=64, text_tokens=8, checkpointing=True, rank=2)
 
@@ -13,4 +13,4 @@ def swap_forcing_cap_gib() -> float:
     n = len(spec.blocks)
     ev = StageCosts(spec, [dev], TINY_WORKLOAD, 1)
     need = (sum(ev._memory(0, 0, n, ()).values()) + sum(ev._memory(0, 0, n, tuple(range(n))).values())) / 2
-    return (dev.free_bytes - budget_bytes(dev) + need) / 2 ** 30
+    return need / (1 - HEADROOM) / 2 ** 30              # the host's free memory whose budget that is

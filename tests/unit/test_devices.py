@@ -215,6 +215,7 @@ def _fake_pynvml(gpus, init_fails=False):
     nvml.nvmlDeviceGetMaxPcieLinkWidth = lambda h: h["width"]
     nvml.nvmlDeviceGetCurrPcieLinkWidth = lambda h: h["width"]
     nvml.nvmlDeviceGetNvLinkState = nvlink_state
+    nvml.nvmlDeviceGetDisplayActive = lambda h: h.get("display", 0)
     return nvml
 
 
@@ -227,15 +228,15 @@ def test_nvml_links_keyed_by_normalised_bus_id(monkeypatch):
     gpus = [
         {"bus": b"00000000:B3:00.0", "gen": 4, "gen_now": 1, "width": 4},
         {"bus": "00000000:65:00.0", "gen": None, "gen_now": 1, "width": 16},
-        {"bus": "00000000:19:00.0", "gen": 5, "gen_now": 5, "width": 16, "nvlinks": 18},
+        {"bus": "00000000:19:00.0", "gen": 5, "gen_now": 5, "width": 16, "nvlinks": 18, "display": 1},
     ]
     fake = _fake_pynvml(gpus)
     monkeypatch.setitem(sys.modules, "pynvml", fake)
     links = devices._read_nvml_links()
     assert links["0000:b3:00.0"] == {"gen_max": 4, "gen_now": 1, "width_max": 4,
-                                     "width_now": 4, "nvlinks": 0}
+                                     "width_now": 4, "nvlinks": 0, "display": False}
     assert links["0000:65:00.0"]["gen_max"] is None  # unsupported query -> None, not a crash
-    assert links["0000:19:00.0"]["nvlinks"] == 18
+    assert links["0000:19:00.0"]["nvlinks"] == 18 and links["0000:19:00.0"]["display"] is True
     assert fake.shutdowns == 1
 
 

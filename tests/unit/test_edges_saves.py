@@ -1,9 +1,13 @@
 """Issue 26, the saves: a full disk (a real small tmpfs), damaged checkpoints, non-finite tensors, the
-run-folder lock, leftovers of killed writers, the base-weights fingerprint. Real files throughout."""
+run-folder lock, leftovers of killed writers, the base-weights fingerprint. Issue 32: leftovers of writers
+killed but not yet reaped (or whose number is reused), names of 255 bytes, an optimizer state of another
+rank, checkpoints holding NaN. Real files and processes throughout."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -11,7 +15,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from ugpum.formats.atomic import atomic_path
+from ugpum.formats.atomic import atomic_path, remove_abandoned
 from ugpum.formats.disk_space import DiskFull, size_text
 from ugpum.formats.fingerprint import weights_fingerprint
 from ugpum.formats.finite import NonFinite, is_finite
@@ -159,3 +163,80 @@ def test_the_fingerprint_tells_other_weights_under_the_same_header(tmp_path):
     check_same_run(ident(one), ident(same), tmp_path / "c" / "step_000001")
     with pytest.raises(ValueError, match="base weights"):
         check_same_run(ident(one), ident(other), tmp_path / "c" / "step_000001")
+
+
+# ---------------------------------------------------------------- issue 32
+
+def test_a_killed_writers_temporary_goes_even_before_its_process_is_reaped_or_when_its_number_is_reused(tmp_path):
+    zombie = subprocess.Popen(["sleep", "60"])
+    zombie.kill()                                   # killed, not waited for: a zombie that os.kill(pid, 0) still finds
+    reused = subprocess.Popen(["sleep", "60"])      # a live process whose number a file written earlier names
+    try:
+        time.sleep(0.2)
+        killed = tmp_path / f".ugpum_lora.safetensors.{zombie.pid}-0123456789ab.tmp"
+        older = tmp_path / f".ugpum_lora_step2.safetensors.{reused.pid}-0123456789ab.tmp"
+        under_way = tmp_path / f".ugpum_lora_step3.safetensors.{reused.pid}-0123456789ac.tmp"
+        for p in (killed, older, under_way):
+            p.write_bytes(b"half")
+        an_hour_ago = time.time() - 3600
+        os.utime(older, (an_hour_ago, an_hour_ago))     # written before that process started: not its write
+        assert sorted(remove_abandoned(tmp_path)) == sorted([killed, older]) and under_way.exists()
+    finally:
+        reused.kill()
+        reused.wait()
+        zombie.wait()
+
+
+def test_a_name_that_takes_all_255_bytes_still_writes_through_its_temporary(tmp_path):
+    final = tmp_path / ("x" * 243 + ".safetensors")              # 255 bytes: the longest name a file may have
+    with atomic_path(final) as tmp:
+        assert len(tmp.name.encode()) <= 255 and tmp.name.endswith(".tmp")
+        tmp.write_bytes(b"lora")
+    assert final.read_bytes() == b"lora" and [p.name for p in tmp_path.iterdir()] == [final.name]
+
+
+def saved_steps(tmp_path, rank: int = 4, steps=(1, 2)):
+    model, lora, optimizer = a_lora(rank=rank)
+    for step in steps:
+        one_step(model, optimizer)
+        save_checkpoint(tmp_path, step, lora, optimizer, {})
+    return lora, optimizer
+
+
+def test_an_optimizer_state_of_another_rank_is_found_and_the_checkpoint_before_it_used(tmp_path):
+    lora, optimizer = saved_steps(tmp_path / "run", rank=4)
+    saved_steps(tmp_path / "other", rank=8)
+    victim = tmp_path / "run" / "checkpoints" / "step_000002" / "optimizer.safetensors"
+    shutil.copy(tmp_path / "other" / "checkpoints" / "step_000002" / "optimizer.safetensors", victim)
+    said = []
+    assert latest_checkpoint(tmp_path / "run", said.append).name == "step_000001"
+    assert said == ["checkpoint step_000002 cannot be used (optimizer.safetensors does not fit the LoRA (exp_avg of "
+                    "0.A is [8, 64], the LoRA's [4, 64]: it is the state of a run of another rank or other targets)): "
+                    "continuing from the newest intact one, step_000001, instead"]
+    with pytest.raises(CheckpointError, match=r"cannot resume from it: optimizer\.safetensors does not fit the LoRA"):
+        load_checkpoint(victim.parent, lora, optimizer)
+
+
+@pytest.mark.parametrize("victim", ["lora.safetensors", "optimizer.safetensors"])
+def test_a_checkpoint_holding_nan_is_not_resumed_from(tmp_path, victim):
+    from safetensors.torch import load_file
+    saved_steps(tmp_path)
+    path = tmp_path / "checkpoints" / "step_000002" / victim
+    tensors = load_file(str(path))
+    name = sorted(tensors)[0]
+    tensors[name] = tensors[name].clone().fill_(float("nan"))
+    save_file(tensors, str(path))                                 # a whole, well-formed file: only its numbers are bad
+    assert latest_checkpoint(tmp_path).name == "step_000002"      # (headers alone cannot tell)
+    said = []
+    assert latest_checkpoint(tmp_path, said.append, deep=True).name == "step_000001"
+    assert said == [f"checkpoint step_000002 cannot be used ({victim} holds NaN or infinite values ({name})): "
+                    "continuing from the newest intact one, step_000001, instead"]
+
+
+def test_an_optimizer_state_holding_nan_is_never_saved(tmp_path):
+    model, lora, optimizer = a_lora()
+    one_step(model, optimizer)
+    next(iter(optimizer.state.values()))["exp_avg_sq"][0, 0] = float("inf")
+    with pytest.raises(NonFinite, match="not saved, the optimizer's state holds NaN or infinite values"):
+        save_checkpoint(tmp_path, 1, lora, optimizer, {})
+    assert latest_checkpoint(tmp_path) is None

@@ -2,6 +2,10 @@
 mode (fp8 on Ada/Hopper/Blackwell, int8 on Ampere), and a bf16 plan that swaps shows the 8-bit plans."""
 from __future__ import annotations
 
+import json
+
+import pytest
+
 from ugpum.arch import get_spec
 from ugpum.devices import parse_device_specs
 from ugpum.forecast import format_plan
@@ -46,3 +50,31 @@ def test_an_8gib_card_plans_the_8bit_base_with_swap():
     plan = _plan("rtx4060", "auto")
     assert plan.base_compute == "fp8" and plan.offloaded_blocks
     assert plan.stages[0].forecast_gib <= plan.stages[0].budget_gib
+
+
+def test_fp8_on_a_card_without_fp8_cores_is_refused_with_the_fix(capsys):
+    from ugpum.commands import main
+    assert main(["plan", "--profile", "klein-9b-1024", "--gpu", "rtx3060", "--base-compute", "fp8"]) == 2
+    said = capsys.readouterr().err.strip()
+    assert "rtx3060 has none (compute capability 8.6)" in said and "--base-compute int8" in said and "\n" not in said
+    assert main(["plan", "--profile", "klein-9b-1024", "--gpu", "rtx3060", "--base-compute", "int8"]) == 0
+
+
+def test_the_plan_says_which_speed_memory_and_link_it_assumed(capsys):
+    from ugpum.commands import main
+    assert main(["plan", "--profile", "klein-9b-1024", "--gpu", "16GiB", "--gpu", "rtx4090@pcie4x4"]) == 0
+    out = capsys.readouterr().out
+    assert "assumed: 16GiB: 16 GiB less 0.64 for the CUDA context and 0.5 for the desktop" in out
+    assert "an RTX 4090's (a bare size; name the card" in out and "host link pcie4x16 at 25 GB/s" in out
+    assert "assumed: rtx4090@pcie4x4:" in out and "the rtx4090 spec sheet's; host link pcie4x4 at 6 GB/s" in out
+
+
+def test_desktop_gib_sets_what_each_card_leaves_to_the_desktop(capsys):
+    from ugpum.commands import main
+    budgets = {}
+    for desktop in ("0", "2"):
+        assert main(["plan", "--profile", "klein-9b-1024", "--gpu", "16GiB", "--desktop-gib", desktop, "--json"]) == 0
+        budgets[desktop] = json.loads(capsys.readouterr().out)["stages"][0]["budget_gib"]
+    assert budgets["0"] - budgets["2"] == pytest.approx(2 * 0.97, abs=0.01)
+    assert main(["plan", "--profile", "klein-9b-1024", "--gpu", "16GiB", "--desktop-gib", "-1"]) == 2
+    assert "setting 'desktop_gib' = -1.0" in capsys.readouterr().err

@@ -11,6 +11,7 @@ from ..arch import UnknownModel
 from ..devices import DeviceError
 from ..plan import PlanError
 from ..train.config import ConfigError
+from ..train.stopping import stop_on_sigterm
 from ..wording import for_cli
 from .bench import add_bench_parser, run_bench
 from .demo import add_demo_parser, run_demo
@@ -41,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     args = build_parser().parse_args(argv)
     try:
-        return COMMANDS[args.command][1](args)
+        with stop_on_sigterm():                          # SIGTERM stops every verb as Ctrl-C does, with a word
+            return COMMANDS[args.command][1](args)
     except KeyboardInterrupt as stop:                   # Ctrl-C, or SIGTERM (ugpum.train.stopping)
         signum = getattr(stop, "signum", signal.SIGINT)
         print(f"\nstopped by {signal.Signals(signum).name}", file=sys.stderr)

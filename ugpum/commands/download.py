@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Protocol
 
 from .. import models_catalog as catalog
+from ..folders import unusable_reason
 from ..models_catalog import ModelFile
 from .prog import in_own_words
 
@@ -493,6 +494,10 @@ def download(name: str, models_dir: str | Path, dtype: str | None = None, source
             report.outcomes.append(Outcome(f, dest, "denied", str(err)))
         except DownloadError as err:
             report.outcomes.append(Outcome(f, dest, "failed", str(err)))
+        except OSError as err:                       # this disk, not the source: its words, never a bare errno
+            why = (err.strerror or str(err)).lower()
+            report.outcomes.append(Outcome(f, dest, "failed", f"cannot write {err.filename or dest}: {why}; the "
+                                                               "files already in place are kept"))
     return report
 
 
@@ -591,10 +596,10 @@ def run_download(args) -> int:
         return 2
     try:
         check_comfyui(args.name, args.comfyui, models)
-    except catalog.UnknownName as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    try:
+        unwritable = unwritable_models(args.name, models, args.dtype)
+        if unwritable:                               # before any copy or download, and before advice to put files there
+            print(f"error: {unwritable}", file=sys.stderr)
+            return 2
         report = download(args.name, models, args.dtype, use_cache=not args.no_cache,
                           progress=sys.stderr.isatty())
     except catalog.UnknownName as err:
@@ -618,6 +623,21 @@ def check_comfyui(name: str, comfyui: str | None, models: Path) -> None:
     found = bridge.locate_comfyui(comfyui, models)
     if found is not None:
         bridge.check_comfyui_for(found, get_spec(entry.id))
+
+
+def unwritable_models(name: str, models: Path, dtype: str | None = None) -> str:
+    """'' when every file of `name` missing from `models` can be written there, else one sentence naming
+    the folder, why not and the fix (files already there need no writing: a read-only folder holding
+    them all is fine)."""
+    for f in catalog.download_files_for(name, dtype):
+        dest = f.dest(models)
+        if dest.is_file():
+            continue
+        reason = unusable_reason(dest.parent)
+        if reason:
+            return (f"--models {models}: {reason}, so {f.folder}/{f.filename} cannot be put there; give --models a "
+                    "ComfyUI models folder you can write in, or make this one writable")
+    return ""
 
 
 def planned_files(name: str, dtype: str | None = None) -> dict:

@@ -56,6 +56,9 @@ def add_plan_parser(sub) -> None:
                    help="plan compiled blocks (auto and on) or eager ones (off), as train runs them (default auto)")
     p.add_argument("--base-compute", choices=["auto", "bf16", "fp8", "int8"],
                    help="the frozen base's matmuls: 8-bit holds the base at 1 byte a weight and runs it faster")
+    p.add_argument("--desktop-gib", type=float, metavar="GIB",
+                   help="GPU memory left to the desktop on each card (default: 0.5 on a card that drives a display; "
+                        "a card given by name or size is taken to); 0 for cards that drive none")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     # past one machine (README "Past one machine"): the --gpu list is one machine's GPUs
     p.add_argument("--distributed", action="store_true",
@@ -88,7 +91,8 @@ def plan_config(args) -> tuple[TrainConfig, object]:
                  "alpha": float(args.rank) if args.rank else None, "weight_dtype": args.dtype,
                  "recompute": args.recompute,
                  "checkpointing": None if args.checkpointing is None else args.checkpointing == "block",
-                 "compile": args.compile, "base_compute": args.base_compute, "devices": args.gpu}
+                 "compile": args.compile, "base_compute": args.base_compute, "devices": args.gpu,
+                 "desktop_gib": args.desktop_gib}
     cfg = load_config(args.profile or "", args.config or "", overrides)
     return cfg, spec or get_spec(cfg.model)
 

@@ -16,7 +16,7 @@ from ..devices import CPU_TRAINABLE_PARAMS, resolve_devices
 from ..schedules import ALL_SETTINGS
 from ..dtypes import TORCH_DTYPES
 from ..train.config import PROFILES, TrainConfig, load_config
-from ..folders import check_writable, too_long_name
+from ..folders import check_writable, dangling_link, too_long_name
 from .bridge import comfy_bridge
 from ..wording import for_cli
 from .errors import UsageError
@@ -271,7 +271,9 @@ def check_out_folder(out: str, flag: str) -> None:
     the fix. The folder itself is made only by the run."""
     path = Path(out).expanduser().absolute()
     if too_long_name(path):                             # a name no filesystem takes (it cannot even be looked up)
-        raise UsageError(f"{flag} {out[:60]}...: {too_long_name(path)}; give {flag} a shorter name")
+        raise UsageError(f"{flag} {out[:60]}...: {too_long_name(path)}; give {flag} a shorter path")
+    if dangling_link(path):                             # (mkdir would meet the link: "File exists")
+        raise UsageError(f"{flag} {out}: {dangling_link(path)}; make that folder, or give {flag} another folder")
     if path.exists() and not path.is_dir():
         raise UsageError(f"{flag} {out} is a file, not a folder; give {flag} a folder (it is made if missing)")
     existing = path

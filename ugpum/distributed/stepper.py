@@ -69,7 +69,7 @@ def split_for(cfg: TrainConfig, spec, top: Topology):
         names = list(cfg.devices)
     else:
         names = [str(device) if device.type == "cpu" else f"cuda:{device.index}"] * top.ranks
-    devices = resolve_devices(names, spec, training=True)
+    devices = resolve_devices(names, spec, training=True, desktop_gib=cfg.desktop_gib)
     try:
         plan = distributed_plan(spec, devices, cfg.workload(), max(cfg.grad_accum // top.replicas, 1), cfg.schedule)
     except PlanError as e:

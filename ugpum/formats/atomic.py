@@ -23,7 +23,10 @@ from .disk_space import check_space, full_disk_error
 def _temp_name_for(final: Path) -> Path:
     # Hidden and with a random part, so it never collides with or looks like a finished file; the
     # writer's process id in it tells a leftover of a killed writer from a write under way.
-    return final.with_name(f".{final.name}.{os.getpid()}-{uuid.uuid4().hex[:12]}.tmp")
+    # A final name near the 255 bytes a file name may take is shortened in it (the name stays unique).
+    tail = f".{os.getpid()}-{uuid.uuid4().hex[:12]}.tmp"
+    name = final.name.encode("utf-8", "surrogateescape")[:255 - 1 - len(tail)].decode("utf-8", "ignore")
+    return final.with_name(f".{name}{tail}")
 
 
 _TEMP = re.compile(r"^\..+\.(?:(\d+)-)?[0-9a-f]{12}\.tmp$")
@@ -34,24 +37,64 @@ def is_temp_name(name: str) -> bool:
     return _TEMP.match(name) is not None
 
 
-def _alive(pid: int) -> bool:
+def _started(pid: int) -> float | None:
+    """When process `pid` started (seconds since the epoch), where Linux's /proc says; else None."""
+    try:
+        ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+        boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+def _ended(pid: int) -> bool:
+    """Whether process `pid` has ended but is not yet reaped by its parent (a zombie: it writes nothing)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+def _alive(pid: int, written: float | None = None) -> bool:
+    """Whether the process numbered `pid` may still be writing a file last written at `written`: it
+    exists, has not ended (a killed process whose parent has not reaped it yet has), and started before
+    that write (a later process given the same number is another one)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except (PermissionError, OSError):
-        return True                      # another user's process: alive, as far as we can tell
-    return True
+        pass                             # another user's process: /proc may still tell
+    if _ended(pid):
+        return False
+    started = _started(pid)
+    return written is None or started is None or started <= written + 2.0     # (/proc's boot time: whole seconds)
 
 
 def abandoned_temp(path: Path) -> bool:
-    """A temporary file whose writer is gone: its process has ended (or the name, from an older
-    version, does not say which process wrote it). A write under way in another process is kept."""
+    """A temporary file whose writer is gone: its process has ended (also when not yet reaped), or its
+    number now belongs to a process started after the file was written, or the name (from an older
+    version) does not say which process wrote it. A write under way in another process is kept."""
     match = _TEMP.match(path.name)
     if match is None:
         return False
     pid = match.group(1)
-    return pid is None or (int(pid) != os.getpid() and not _alive(int(pid)))
+    if pid is None:
+        return True
+    try:
+        written = path.stat().st_mtime
+    except OSError:
+        return False                     # gone already
+    return int(pid) != os.getpid() and not _alive(int(pid), written)
+
+
+def remove_abandoned(folder: Path | str) -> list[Path]:
+    """Delete the temporary files of killed writers in `folder` (not those of writes under way)."""
+    gone = [p for p in Path(folder).glob(".*.tmp") if abandoned_temp(p)]
+    for p in gone:
+        p.unlink(missing_ok=True)
+    return gone
 
 
 def current_umask() -> int:

@@ -12,20 +12,29 @@ from ..arch import get_spec
 from .cache import FeatureCache
 from .config import TrainConfig
 from .dataset import ImageItem, caption_dropout
+from .pictures import skipped_note, skipped_pictures
 from .musubi_toml import check_inside, load_musubi_toml
 from .objective import model_context
 from .video import load_folder
 
 
-def load_items(cfg: TrainConfig) -> list[ImageItem]:
+def load_items(cfg: TrainConfig, log=print) -> list[ImageItem]:
+    """The run's dataset, read; `log` hears of every folder holding pictures of a kind it does not read."""
     path = Path(cfg.dataset)
     family = get_spec(cfg.model).family
     if cfg.dataset_root:                 # the nodes: checked again as it is read (a TOML may have changed)
         check_inside(path, cfg.dataset_root)
     if path.suffix == ".toml":
-        return load_musubi_toml(path, cfg.trigger, family, cfg.frames, cfg.frame_stride, cfg.resolution)
-    return load_folder(path, family, frames=cfg.frames, stride=cfg.frame_stride,
-                       resolution=cfg.resolution, repeats=cfg.repeats, trigger=cfg.trigger)
+        items = load_musubi_toml(path, cfg.trigger, family, cfg.frames, cfg.frame_stride, cfg.resolution)
+    else:
+        items = load_folder(path, family, frames=cfg.frames, stride=cfg.frame_stride,
+                            resolution=cfg.resolution, repeats=cfg.repeats, trigger=cfg.trigger)
+    folders = {Path(i.path).parent for i in items} | {Path(i.path) for i in items if Path(i.path).is_dir()}
+    for folder in sorted(folders):                 # the dataset's folders, and each clip's folder of frames
+        skipped = skipped_pictures(folder)
+        if skipped:
+            log(f"note: {folder}: {skipped_note(skipped)}")
+    return items
 
 
 @dataclass

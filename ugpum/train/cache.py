@@ -25,6 +25,9 @@ from .encoders import Encoders
 from .video import ClipItem, content_digest, load_bucketed_clip
 
 
+# How pictures are decoded (ugpum/train/pictures.py), in every latent's key: a change in decoding (2: high
+# bit depths scaled, transparency laid over white) makes new latents rather than reusing stale ones.
+PIXELS = b"pixels=2"
 # What a full disk during caching keeps (said in the DiskFull sentence).
 KEPT = "the features cached so far are kept (or set cache_dir to a folder on another disk)"
 
@@ -64,7 +67,7 @@ class FeatureCache:
     def latent(self, item: ImageItem) -> torch.Tensor:
         if isinstance(item, ClipItem):
             return self.clip_latent(item)
-        key = self._key(content_digest(item.path), repr(item.bucket).encode())
+        key = self._key(content_digest(item.path), repr(item.bucket).encode(), PIXELS)
         return self._get("latents", key, lambda: self.encoders.encode_images(load_bucketed_image(item)[None])[0])
 
     def clip_latent(self, item: ClipItem) -> torch.Tensor:
@@ -76,7 +79,7 @@ class FeatureCache:
                                  f"{item.frames} frames, not [C, {expected}, h, w]; connect the Wan 2.1 VAE")
             return latent
         key = self._key(content_digest(item.path), repr(item.bucket).encode(),
-                        f"frames={item.frames} stride={item.stride}".encode())
+                        f"frames={item.frames} stride={item.stride}".encode(), PIXELS)
         return self._get("latents", key, encode)
 
     def text(self, caption: str) -> torch.Tensor:

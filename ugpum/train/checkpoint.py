@@ -28,7 +28,7 @@ from safetensors.torch import load_file, save_file
 
 from ..formats.atomic import abandoned_temp, honour_umask, write_json_atomic
 from ..formats.disk_space import DiskFull, check_space, full_disk_error
-from ..formats.finite import NonFinite, non_finite, shown
+from ..formats.finite import NonFinite, is_finite, non_finite, shown
 from ..formats.safetensors_header import HeaderError, check_file
 from ..lora import LoraSet
 
@@ -47,7 +47,7 @@ __all__ = ["DiskFull", "NonFinite"]       # (re-exported: what a save here raise
 # changes what is trained.
 MAY_CHANGE = frozenset({"steps", "sample_every", "sample_prompt", "sample_steps", "sample_seed", "sample_guidance",
                         "save_every", "save_every_minutes", "output_name", "cache_dir", "devices", "schedule",
-                        "recompute", "dataset", "dataset_root", "model_file"})
+                        "recompute", "dataset", "dataset_root", "model_file", "desktop_gib"})
 # compared through the dataset's content hash and the model file's header digest instead of paths
 
 
@@ -130,6 +130,10 @@ def save_checkpoint(out: Path, step: int, lora: LoraSet, optimizer: torch.optim.
     root = Path(out) / "checkpoints"
     what = f"the checkpoint at step {step}"
     check_finite_lora(lora, what)
+    if not all(is_finite(torch.as_tensor(v)) for st in optimizer.state.values() for v in st.values()):
+        raise NonFinite(f"{what}: not saved, the optimizer's state holds NaN or infinite values; training "
+                        "diverged: lower lr or turn on gradient clipping (max_grad_norm), and resume from the last "
+                        "good checkpoint")
     root.mkdir(parents=True, exist_ok=True)
     needed = checkpoint_bytes(lora, optimizer)
     check_space(root, needed, what, kept)
@@ -177,11 +181,27 @@ def _write_checkpoint(tmp: Path, final: Path, step: int, lora: LoraSet, optimize
 
 
 CHECKPOINT_FILES = ("lora.safetensors", "optimizer.safetensors", "state.json")
+# Optimizer state shaped as its parameter (AdamW's moments, SGD's momentum, bitsandbytes' 8-bit states).
+SHAPED_AS_PARAMETER = frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "state1", "state2"})
 
 
-def damage(folder: Path) -> str | None:
+def state_mismatch(lora: dict[str, tuple[int, ...]], optimizer: dict[str, tuple[int, ...]]) -> str | None:
+    """What makes an optimizer state (name::key -> shape) not the state of a LoRA (name -> shape), or None:
+    a state for a tensor the LoRA has not, or a moment of another shape (another rank or other targets)."""
+    for key, shape in optimizer.items():
+        name, _, k = key.partition("::")
+        if name not in lora:
+            return f"optimizer.safetensors holds the state of {name}, which the LoRA has not (it is another run's)"
+        if k in SHAPED_AS_PARAMETER and tuple(shape) != tuple(lora[name]):
+            return (f"optimizer.safetensors does not fit the LoRA ({k} of {name} is {list(shape)}, the LoRA's "
+                    f"{list(lora[name])}: it is the state of a run of another rank or other targets)")
+    return None
+
+
+def damage(folder: Path, deep: bool = False) -> str | None:
     """What makes a checkpoint folder unusable (a file missing, empty, cut short or damaged; state.json
-    unreadable or of another step), or None for an intact one. Reads headers and sizes, no weights."""
+    unreadable or of another step; an optimizer state that is not the LoRA's; with `deep`, a NaN or an
+    infinity in its tensors), or None for an intact one. Without `deep`: headers and sizes, no weights."""
     for name in CHECKPOINT_FILES:
         path = folder / name
         if not path.is_file():
@@ -194,11 +214,25 @@ def damage(folder: Path) -> str | None:
         return "state.json is damaged"
     if not isinstance(step, int) or folder.name != f"step_{step:06d}":
         return f"state.json names step {step!r}, not this folder's"
+    headers = {}
     for name in CHECKPOINT_FILES[:2]:
         try:
-            check_file(folder / name)
+            headers[name] = check_file(folder / name)
         except (HeaderError, OSError):
             return f"{name} is cut short or damaged"
+    mismatch = state_mismatch(headers["lora.safetensors"].shapes(), headers["optimizer.safetensors"].shapes())
+    return mismatch or (_non_finite_files(folder) if deep else None)
+
+
+def _non_finite_files(folder: Path) -> str | None:
+    """Which checkpoint file holds a NaN or an infinity (naming the tensors), or None."""
+    for name in CHECKPOINT_FILES[:2]:
+        try:
+            bad = non_finite(load_file(str(folder / name)).items())
+        except Exception:  # noqa: BLE001 - safetensors' own error type: the file changed since its header was read
+            return f"{name} is cut short or damaged"
+        if bad:
+            return f"{name} holds NaN or infinite values ({shown(bad)})"
     return None
 
 
@@ -207,16 +241,17 @@ def _folder_step(folder: Path) -> int | None:
     return int(digits) if folder.name.startswith("step_") and digits.isdigit() else None
 
 
-def latest_checkpoint(out: Path, log=None) -> Path | None:
+def latest_checkpoint(out: Path, log=None, deep: bool = False) -> Path | None:
     """The newest intact checkpoint of a run folder (latest.json is a convenience: a pointer missing,
     corrupt or stale changes nothing). A newer one that is damaged is skipped; `log`, when given, hears
-    which and why, so a fallback is never silent."""
+    which and why, so a fallback is never silent. `deep` (a resume): its tensors read, and one holding
+    a NaN or an infinity skipped as well."""
     root = Path(out) / "checkpoints"
     folders = sorted(((step, f) for f in root.glob("step_*") if (step := _folder_step(f)) is not None
                       and f.is_dir()), reverse=True)
     skipped = []
     for _, folder in folders:
-        problem = damage(folder)
+        problem = damage(folder, deep)
         if problem is None:
             if skipped and log:
                 log(f"checkpoint{'s' if len(skipped) > 1 else ''} {'; '.join(skipped)}: continuing from the "
@@ -258,6 +293,10 @@ def load_checkpoint(folder: Path, lora: LoraSet, optimizer: torch.optim.Optimize
     params = _params(lora)
     if set(weights) != {name for name, _ in params} or any(weights[n].shape != p.shape for n, p in params):
         raise CheckpointError(f"{folder}: its LoRA does not match this run's (other model, rank or targets)")
+    mismatch = state_mismatch({n: tuple(p.shape) for n, p in params}, {k: tuple(v.shape) for k, v in opt.items()})
+    if mismatch:
+        raise CheckpointError(f"{folder}: cannot resume from it: {mismatch}; resume again to fall back to the "
+                              "checkpoint before it, or start a new run")
     with torch.no_grad():
         for name, p in params:
             p.copy_(weights[name].to(p.device, p.dtype))

@@ -13,6 +13,7 @@ from ..arch.base import RECOMPUTE_SETTINGS
 from ..schedules import ALL_SETTINGS as SCHEDULE_SETTINGS
 from ..dtypes import TRAINING_DTYPES
 from ..diffusion.flow import TIMESTEP_METHODS
+from ..wording import quoted
 
 
 class ConfigError(ValueError):
@@ -97,6 +98,14 @@ def file_name_problem(name: str, longest_suffix: str = ".safetensors") -> str:
     return ""
 
 
+def lora_stem(name: str) -> str:
+    """The one rule every front end names a LoRA by (output_name, the node's save name): surrounding
+    spaces and a trailing .safetensors (any case) are dropped, so "mine.safetensors" writes
+    mine.safetensors, never mine.safetensors.safetensors."""
+    stem = name.strip()
+    return stem[:-len(".safetensors")].rstrip() if stem.lower().endswith(".safetensors") else stem
+
+
 def _smallest_linear(spec) -> int:
     """The smallest in/out size of the layers a LoRA adapts on this model (a larger rank adds nothing)."""
     sizes = [min(lin.in_features, lin.out_features) for block in spec.blocks for lin in block.linears]
@@ -143,6 +152,8 @@ class TrainConfig:
     sample_guidance: float | None = None  # the same input for previews; unset: the model's sampling
                                           # default (4.0, ComfyUI's FLUX.2 template)
     devices: list[str] = field(default_factory=lambda: ["auto"])
+    desktop_gib: float | None = None      # GPU memory left to the desktop on each card; unset: 0.5 on a card that
+                                          # drives a display (a card described by name or size is taken to), else 0
     schedule: str = "auto"                # micro-batch order: auto | sequential | gpipe | 1f1b; distributed runs
     #                                       also interleaved-1f1b | zero-bubble (two stages per rank)
     save_every: int = 0                   # a checkpoint (and LoRA) every N steps; 0: by time only
@@ -163,16 +174,18 @@ class TrainConfig:
         """Every setting's type, then its range (against the model where it matters), as one sentence
         naming the setting; the same for the command line, a TOML config and the nodes. With a
         dataset_root, every path the dataset names must lie inside it (DatasetError otherwise)."""
+        if isinstance(self.output_name, str):
+            self.output_name = lora_stem(self.output_name)       # (one rule for names in every front end)
         for f in dataclasses.fields(self):
             problem = _type_problem(getattr(self, f.name), f.type)
             if problem and f.name in _LIST_EXAMPLES:
                 problem = f"a list of text such as {_LIST_EXAMPLES[f.name]}"
             if problem:
-                raise ConfigError(f"setting '{f.name}' = {getattr(self, f.name)!r}: must be {problem}")
+                raise ConfigError(f"setting '{f.name}' = {quoted(getattr(self, f.name))}: must be {problem}")
 
         def need(ok: bool, name: str, what: str):
             if not ok:
-                raise ConfigError(f"setting '{name}' = {getattr(self, name)!r}: {what}")
+                raise ConfigError(f"setting '{name}' = {quoted(getattr(self, name))}: {what}")
         need(self.model in model_ids(), "model", f"unknown model; known: {', '.join(model_ids())}")
         spec = get_spec(self.model)
         need(64 <= self.resolution <= MAX_RESOLUTION and self.resolution % 16 == 0, "resolution",
@@ -200,6 +213,8 @@ class TrainConfig:
              "under autocast: set autocast = true, or weight_dtype = fp32")
         need(self.guidance is None or 0 <= self.guidance <= 100, "guidance",
              "a number from 0 to 100 (training default 1.0), or leave it unset")
+        need(self.desktop_gib is None or 0 <= self.desktop_gib <= 64, "desktop_gib",
+             "GiB from 0 to 64 left to the desktop on each GPU (0: a card that drives no display), or leave it unset")
         need(self.sample_guidance is None or 0 <= self.sample_guidance <= 100, "sample_guidance",
              "a number from 0 to 100 (FLUX.2 dev's sampling default is 4.0), or leave it unset")
         need(self.schedule in SCHEDULE_SETTINGS, "schedule",
@@ -242,7 +257,7 @@ def load_config(profile: str = "", toml_file: str | Path = "", overrides: dict |
     values: dict = {}
     if profile:
         if profile not in PROFILES:
-            raise ConfigError(f"unknown profile {profile!r}; built-in: {', '.join(PROFILES)}")
+            raise ConfigError(f"unknown profile {quoted(profile)}; built-in: {', '.join(PROFILES)}")
         values.update(_recompute_from_switch(PROFILES[profile]))
     if toml_file:
         path = Path(toml_file)
@@ -275,12 +290,12 @@ def _recompute_from_switch(values: dict, where: str = "the settings") -> dict:
             continue
         switch = values.pop(name)
         if not isinstance(switch, bool):
-            raise ConfigError(f"{where}: setting '{name}' = {switch!r}: must be true or false (or use recompute "
+            raise ConfigError(f"{where}: setting '{name}' = {quoted(switch)}: must be true or false (or use recompute "
                               "= auto, all or none)")
         meant = "all" if switch else "none"
         if values.setdefault("recompute", meant) != meant:
             raise ConfigError(f"{where}: settings '{name}' = {str(switch).lower()} and 'recompute' = "
-                              f"{values['recompute']!r} disagree: keep only recompute (auto, all or none)")
+                              f"{quoted(values['recompute'])} disagree: keep only recompute (auto, all or none)")
     return values
 
 

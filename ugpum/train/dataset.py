@@ -8,28 +8,23 @@ training resolution squared, so batches of one bucket share a shape and nothing 
 
 from __future__ import annotations
 
-import contextlib
 import math
-import mmap
 import os
 import random
-import re
-import struct
-import warnings
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import Image
 
-IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
+from ..folders import read_fix, read_reason, shown_path
+from ..wording import quoted
+from .errors import DatasetError
+from .pictures import (IMAGE_EXTENSIONS, MAX_IMAGE_PIXELS, MIN_IMAGE_SIDE, image_size, is_picture,  # noqa: F401
+                       open_rgb, skipped_note, skipped_pictures)
+
 BUCKET_STEP = 16  # latent stride of FLUX.2 / Wan: VAE 8x, then 2x2 patches
 MAX_BUCKET_ASPECT = 4.0  # buckets span aspect ratios 1:4 .. 4:1
-
-
-class DatasetError(ValueError):
-    """A dataset folder, file or setting is unusable; the message says which and what to do."""
 
 
 @dataclass
@@ -53,15 +48,21 @@ def resolve_inside(root: Path | str, relative: Path | str, what: str = "") -> Pa
     Resolving first means `..` and symlinks are judged by where they really point.
     """
     root_resolved = Path(root).resolve()
-    candidate = (root_resolved / relative).resolve()
+    try:
+        candidate = (root_resolved / relative).resolve()
+    except (OSError, RuntimeError) as error:            # a name too long, a symlink loop (RuntimeError before 3.13)
+        why = read_reason(error) if isinstance(error, OSError) else "it is a symlink that loops back on itself"
+        raise DatasetError(f"{what or f'path {quoted(str(relative))}'} cannot be looked up: {why}; use a path "
+                           f"inside {root_resolved}") from None
     if not candidate.is_relative_to(root_resolved):
-        label = what or f"path {str(relative)!r}"
+        label = what or f"path {quoted(str(relative))}"
         named = Path(os.path.normpath(root_resolved / relative))
         if named.is_relative_to(root_resolved):
-            raise DatasetError(f"{label} is or passes through a symlink to {candidate}, outside the allowed folder "
-                               f"{root_resolved}; copy the files into that folder rather than linking them")
-        raise DatasetError(f"{label} resolves to {candidate}, outside the allowed folder {root_resolved}; use a "
-                           "path inside that folder")
+            raise DatasetError(f"{label} is or passes through a symlink to {shown_path(candidate)}, outside the "
+                               f"allowed folder {root_resolved}; copy the files into that folder rather than linking "
+                               "them")
+        raise DatasetError(f"{label} resolves to {shown_path(candidate)}, outside the allowed folder {root_resolved}; "
+                           "use a path inside that folder")
     return candidate
 
 
@@ -122,130 +123,65 @@ def choose_bucket(
 
 
 # ---------------------------------------------------------------- reading files
+# (pictures: pictures.py; re-exported here for the callers that read a dataset)
 
-# Bounds on a training picture, checked from its header before any pixel is decoded:
-# - at most 64 megapixels (8192 x 8192): the largest training resolution (4096²) is a quarter of that, so
-#   nothing larger adds detail, while decoding it needs 192 MB and more per copy; it is also below
-#   Pillow's own decompression-bomb warning (89 MP), so a header claiming more is refused by name here
-#   whatever Pillow's limit is set to (ComfyUI or another pack may raise or disable it).
-# - at least 16 pixels a side: one latent patch (8x VAE, then 2x2 patches), the smallest bucket side.
-#   Smaller, the picture holds not one token of its own at any resolution (a favicon, a spacer pixel);
-#   larger small pictures stay allowed: the tiny test models train on 64x48 images.
-MAX_IMAGE_PIXELS = 64 * 2**20
-MIN_IMAGE_SIDE = 16
-_TURNED = (5, 6, 7, 8)        # EXIF orientations that swap width and height
-_EOI, _SOS = b"\xff\xd9", b"\xff\xda"
+_BOMS = ((b"\xff\xfe\x00\x00", "utf-32"), (b"\x00\x00\xfe\xff", "utf-32"), (b"\xff\xfe", "utf-16"),
+         (b"\xfe\xff", "utf-16"), (b"\xef\xbb\xbf", "utf-8-sig"))
 
 
-@contextlib.contextmanager
-def _opened(path: Path) -> Iterator[Image.Image]:
-    """Image.open with its header checked: Pillow's decompression-bomb warning and error, and the size
-    bounds above, become a DatasetError naming the file before any pixel is decoded."""
+def _bomless_utf16(raw: bytes) -> str | None:
+    """"utf-16-le" or "utf-16-be" when `raw` reads as UTF-16 written without a byte-order mark (every
+    Latin character then has a NUL byte beside it: after it little-endian, before it big-endian)."""
+    if len(raw) < 2 or len(raw) % 2:
+        return None
+    odd, even = raw[1::2].count(0), raw[0::2].count(0)
+    if odd > len(raw) // 4 and even == 0:
+        return "utf-16-le"
+    if even > len(raw) // 4 and odd == 0:
+        return "utf-16-be"
+    return None
+
+
+def decode_caption(raw: bytes, path: Path) -> str:
+    """A caption file's bytes as text, as a user's editor wrote them: UTF-8 with or without a byte-order
+    mark (Windows Notepad writes one), UTF-16 or UTF-32 with their mark ("Unicode" in Notepad), UTF-16
+    without one (told by the NUL byte beside each Latin character); anything else holding NUL bytes, or
+    not UTF-8, is refused by name."""
+    encoding = next((name for bom, name in _BOMS if raw.startswith(bom)), None) or _bomless_utf16(raw) or "utf-8"
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            image = Image.open(path)
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as error:
-        claimed = re.search(r"\((\d+) pixels\)", str(error))
-        size = f" ({int(claimed[1]) / 1e6:.0f} megapixels)" if claimed else ""
-        raise DatasetError(f"image {path} claims more pixels{size} than Pillow decodes safely (a possible "
-                           f"decompression bomb); scale it down to at most {MAX_IMAGE_PIXELS // 2**20} megapixels "
-                           "or remove it") from None
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as error:
-        raise DatasetError(
-            f"cannot read image {path}: {error}; re-save it as PNG or JPEG, or remove it"
-        ) from error
-    with image:
-        width, height = image.size
-        if width * height > MAX_IMAGE_PIXELS:
-            raise DatasetError(f"image {path} is {width}x{height} ({width * height / 1e6:.0f} megapixels), more "
-                               f"than the {MAX_IMAGE_PIXELS // 2**20} megapixels UGPUM decodes (training uses at "
-                               "most 4096x4096); scale it down or remove it")
-        if min(width, height) < MIN_IMAGE_SIDE:
-            raise DatasetError(f"image {path} is {width}x{height}, under {MIN_IMAGE_SIDE} pixels on a side (less than "
-                               "one latent patch: nothing to train on); use a larger image or remove it")
-        yield image
-
-
-def _orientation(image: Image.Image) -> int:
-    """The EXIF orientation a header gives (1: upright). A PNG's EXIF is read only when it precedes the
-    pixels: Pillow would decode the whole image to look for one after them."""
-    if image.format == "PNG" and "exif" not in image.info:
-        return 1
-    try:
-        return int(image.getexif().get(0x0112, 1))
-    except Exception:  # noqa: BLE001 - a damaged EXIF block is ignored, as exif_transpose does
-        return 1
-
-
-def _complete(image: Image.Image, path: Path) -> bool | None:
-    """Whether the file holds all its pixel data, judged without decoding it (None: cannot tell cheaply).
-    PNG: every chunk's CRC up to IEND. JPEG: an end-of-image marker after the first scan (0xFF 0xD9
-    cannot occur inside entropy-coded data). Uncompressed BMP: the file is as long as its rows."""
-    try:
-        if image.format == "PNG":
-            image.verify()
-            return True
-        if image.format in ("JPEG", "MPO"):
-            with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-                scan = data.find(_SOS)
-                return scan >= 0 and data.find(_EOI, scan) >= 0
-        if image.format == "BMP" and len(image.tile) == 1 and image.tile[0][0] == "raw":
-            tile = image.tile[0]
-            row = tile[3][1] if isinstance(tile[3], tuple) and len(tile[3]) > 1 else 0
-            return bool(row) and path.stat().st_size >= tile[2] + row * image.size[1]
-        return True if image.format == "WEBP" else None      # libwebp refuses a cut file when it opens it
-    except (OSError, SyntaxError, ValueError, struct.error) as error:
-        raise DatasetError(f"cannot read image {path}: the file is cut short or damaged ({error}); re-save it as "
-                           "PNG or JPEG, or remove it") from error
-
-
-def image_size(path: Path) -> tuple[int, int]:
-    """The upright (width, height) of an image file, from its header: no pixel is decoded (they are
-    decoded once, when the latent is made), except for a rare format whose completeness cannot be told
-    from the file's structure. A file that is cut short, a decompression bomb, or a picture outside the
-    bounds above is a DatasetError naming it."""
-    with _opened(path) as image:
-        width, height = image.size
-        turned = _orientation(image) in _TURNED
-        complete = _complete(image, path)
-    if complete is None:
-        return _open_rgb(path).size
-    if not complete:
-        raise DatasetError(f"cannot read image {path}: the file is truncated (it ends before its image data "
-                           "does); re-save it as PNG or JPEG, or remove it")
-    return (height, width) if turned else (width, height)
-
-
-def _open_rgb(path: Path) -> Image.Image:
-    """Decode the whole image (so truncated files fail here), upright per EXIF, as RGB."""
-    try:
-        with _opened(path) as image:
-            image.load()
-            upright = ImageOps.exif_transpose(image)
-            return upright.convert("RGB")
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as error:
-        if isinstance(error, DatasetError):
-            raise
-        raise DatasetError(
-            f"cannot read image {path}: {error}; re-save it as PNG or JPEG, or remove it"
-        ) from error
-
-
-_UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff")
-
-
-def _read_caption(path: Path) -> str:
-    """A caption as a user's editor wrote it: UTF-8 with or without a byte-order mark (Windows Notepad
-    writes one), UTF-16 with its mark ("Unicode" in Notepad); Windows or old Mac line ends; spaces
-    at line ends and blank lines around the text dropped (none of it is meant as caption)."""
-    raw = path.read_bytes()
-    try:
-        text = raw.decode("utf-16") if raw[:2] in _UTF16_BOMS else raw.decode("utf-8-sig")
+        text = raw.decode(encoding)
     except UnicodeDecodeError as error:
         raise DatasetError(f"caption file {path} is not UTF-8 text; re-save it as UTF-8") from error
+    if "\x00" in text:
+        raise DatasetError(f"caption file {path} holds NUL characters, so it is not plain text (nor UTF-16 text); "
+                           "re-save it as UTF-8")
+    return text.removeprefix("\ufeff")
+
+
+def read_caption(path: Path) -> str:
+    """A caption file's text (`decode_caption`), Windows or old Mac line ends made plain; spaces at line
+    ends and blank lines around the text dropped (none of it is meant as caption). A file that cannot
+    be read is a DatasetError saying why and what to do."""
+    try:
+        raw = path.read_bytes()
+    except OSError as error:
+        raise DatasetError(f"cannot read caption file {path}: {read_reason(error)}; {read_fix(error, path)}") \
+            from None
+    text = decode_caption(raw, path)
     lines = text.replace("\r\n", "\n").replace("\r", "\n").split("\n")
     return "\n".join(line.rstrip() for line in lines).strip()
+
+
+def caption_for(picture: Path, caption_path: Path, what: str = "image") -> str:
+    """The caption beside `picture` (an image, or a clip), read; DatasetError naming both when it is
+    missing, or is no file."""
+    if not caption_path.is_file():
+        if caption_path.exists():
+            raise DatasetError(f"{what} {picture}: its caption {caption_path.name} is a folder or other "
+                               f"non-file, not a text file; replace it by a caption file (it may be empty)")
+        raise DatasetError(f"{what} {picture} has no caption file {caption_path.name}; "
+                           f"add one (it may be empty) or remove the {what}")
+    return read_caption(caption_path)
 
 
 def _with_trigger(caption: str, trigger: str) -> str:
@@ -255,11 +191,14 @@ def _with_trigger(caption: str, trigger: str) -> str:
     return f"{trigger}, {caption}" if caption else trigger
 
 
-def _list_images(folder: Path) -> list[Path]:
-    return sorted(
-        p for p in folder.iterdir()
-        if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS and not p.name.startswith(".")
-    )
+def list_pictures(folder: Path) -> list[Path]:
+    """The pictures directly inside `folder` UGPUM trains on, by name; DatasetError when the folder
+    cannot be read."""
+    try:
+        return sorted(p for p in folder.iterdir() if is_picture(p))
+    except OSError as error:
+        raise DatasetError(f"cannot read dataset folder {folder}: {read_reason(error)}; "
+                           f"{read_fix(error, folder, 'folder')}") from None
 
 
 # ---------------------------------------------------------------- settings checks
@@ -347,23 +286,18 @@ def load_image_folder(
     folder = Path(folder)
     where, caption_ext, resolution, repeats, batch_size = checked_folder_settings(
         folder, caption_ext, resolution, repeats, batch_size)
-    image_paths = _list_images(folder)
+    image_paths = list_pictures(folder)
     if not image_paths:
-        raise DatasetError(
-            f"{where} holds no images ({', '.join(IMAGE_EXTENSIONS)}); put the training images there"
-        )
+        skipped = skipped_pictures(folder)
+        held = f"; it {skipped_note(skipped)}" if skipped else ""
+        raise DatasetError(f"{where} holds no images ({', '.join(IMAGE_EXTENSIONS)}); put the training images "
+                           f"there{held}")
 
     fixed = None if enable_bucket else fixed_bucket(resolution, where)
 
     items = []
     for image_path in image_paths:
-        caption_path = image_path.with_suffix(caption_ext)
-        if not caption_path.is_file():
-            raise DatasetError(
-                f"image {image_path} has no caption file {caption_path.name}; "
-                f"add one (it may be empty) or remove the image"
-            )
-        caption = _with_trigger(_read_caption(caption_path), trigger)
+        caption = _with_trigger(caption_for(image_path, image_path.with_suffix(caption_ext)), trigger)
         size = image_size(image_path)                   # header only: the pixels are decoded once, for the latent
         bucket = fixed or bucket_for(size, resolution, bucket_no_upscale, f"image {image_path}")
         items.extend(ImageItem(image_path, caption, bucket, batch_size) for _ in range(repeats))
@@ -378,7 +312,7 @@ def load_bucketed_image(item: ImageItem) -> torch.Tensor:
 
     Scaled (aspect kept) until it covers the bucket, then centre-cropped: no stretching.
     """
-    return fit_to_bucket(_open_rgb(item.path), item.bucket)
+    return fit_to_bucket(open_rgb(item.path), item.bucket)
 
 
 def fit_to_bucket(image: Image.Image, bucket: tuple[int, int]) -> torch.Tensor:

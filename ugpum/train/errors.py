@@ -9,3 +9,7 @@ class TrainingError(RuntimeError):
 
 class RunExists(TrainingError):
     """The output folder holds an earlier run; the message says how to continue or replace it."""
+
+
+class DatasetError(ValueError):
+    """A dataset folder, file or setting is unusable; the message says which and what to do."""

@@ -115,7 +115,7 @@ def _train(cfg: TrainConfig, out: Path, model, encoders, key_prefix: str, resume
             if stepper.lead:
                 keep_metrics_until(out, run.start)           # steps after the checkpoint are trained again
         samples = Samples(cfg, spec, out, stepper.model, getattr(encoders, "decode", None), features.prompt,
-                          features.negative, run.items, h.on_sample) if cfg.sample_every and stepper.can_sample \
+                          features.negative, run.items, h.on_sample, say) if cfg.sample_every and stepper.can_sample \
             else None
         if cfg.sample_every and samples is None:
             say(f"samples: {stepper.name} renders none (sample_every = {cfg.sample_every} is ignored); the validation "
@@ -145,9 +145,23 @@ class RunState:
 
     def save(self, name: str, stopping: bool = False) -> Path | None:
         """A checkpoint and the LoRA at the current step (written by the lead)."""
-        path = self.stepper.save(self.run, self.optimizer, self.step, name, stopping, self.say)
+        try:
+            path = self.stepper.save(self.run, self.optimizer, self.step, name, stopping, self.say)
+        except KeyboardInterrupt as stop:
+            if getattr(stop, "after_save", False):       # a stop held back until the save was complete
+                self.saved = self.step
+            raise
         self.saved = self.step
         return path
+
+    def after_save_note(self) -> str:
+        """A stop just after the save of the current step: what this run trained is all on disk."""
+        out, name = self.run.out, self.cfg.output_name
+        if self.step == self.cfg.steps:
+            return (f"\nstopped after the last step ({self.step}), once its LoRA was saved: {out} keeps "
+                    f"{name}.safetensors and its checkpoint; the run is complete")
+        return (f"\nstopped at step {self.step}, just after its save: {out} keeps the checkpoint and the LoRA of "
+                f"step {self.step}; continue with --resume {out}")
 
     def partial_name(self) -> str:
         done = self.step == self.cfg.steps
@@ -184,6 +198,10 @@ class RunState:
                 stop.told = True
                 if self.hooks.on_partial_lora and partial is not None:
                     self.hooks.on_partial_lora(partial)
+            elif self.step == self.saved > self.run.start and stepper.lead and not getattr(stop, "told", False):
+                # right after a save: all it trained is kept
+                self.say(self.after_save_note())
+                stop.told = True
             raise
         return TrainResult(lora_path, self.step, self.losses, self.plan, self.features.hits, self.features.misses,
                            before, after, peak, self.samples.paths if self.samples else [], grid,
@@ -220,7 +238,9 @@ class RunState:
                 progress.update(self.step, loss)
             if signum:                        # a signal on some rank: every rank saves and stops together
                 self.save(self.partial_name(), stopping=True)
-                raise stepper.stopped(self.step, self.run.out)
+                stop = stepper.stopped(self.step, self.run.out)
+                stop.told = True              # (its own sentence says what is kept)
+                raise stop
             if self.step == self.run.start + 1 and compile_stats().graphs:      # what the first step compiled
                 self.say(compile_stats().line())
             if h.on_step:

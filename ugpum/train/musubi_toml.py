@@ -23,6 +23,7 @@ import tomllib
 from pathlib import Path
 
 from ..arch.base import WAN_FPS
+from ..folders import read_fix, read_reason
 from .dataset import (DatasetError, ImageItem, Resolution, _check_bool, _check_caption_ext, _check_positive_int,
                       _check_resolution, load_image_folder, resolve_inside)
 
@@ -104,6 +105,9 @@ def _read(path: Path) -> tuple[dict, list[dict]]:
         config = tomllib.loads(path.read_text(encoding="utf-8-sig"))   # (a BOM, as Notepad writes one, is no TOML)
     except FileNotFoundError as error:
         raise DatasetError(f"dataset config {path} does not exist; check the path") from error
+    except OSError as error:
+        raise DatasetError(f"cannot read dataset config {path}: {read_reason(error)}; {read_fix(error, path)}") \
+            from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
         raise DatasetError(f"dataset config {path} is not valid TOML: {error}") from error
 

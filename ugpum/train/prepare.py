@@ -33,7 +33,8 @@ def plan_for(cfg: TrainConfig) -> Plan:
                             "(torchrun ... --distributed, README \"Past one machine\"); one process runs auto, "
                             "sequential, gpipe or 1f1b")
     spec = get_spec(cfg.model)
-    return plan_training(spec, resolve_devices(cfg.devices, spec, training=True), cfg.workload(),
+    return plan_training(spec, resolve_devices(cfg.devices, spec, training=True, desktop_gib=cfg.desktop_gib),
+                         cfg.workload(),
                          grad_accum=cfg.grad_accum, schedule=cfg.schedule)
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from ..folders import read_reason
 from ..formats.atomic import atomic_path
 from ..formats.lora_file import lora_metadata, save_lora
 from .batches import load_items
@@ -52,7 +53,7 @@ def open_run(cfg: TrainConfig, spec, out: Path, resume: bool, overwrite: bool, l
     removed = remove_leftovers(out, cfg.cache_dir)
     if removed:
         log(f"removed {len(removed)} temporary file(s) an interrupted save left in {out}")
-    items = load_items(cfg)
+    items = load_items(cfg, log)
     data_hash = dataset_hash(items)
     identity = run_identity(cfg, spec, data_hash)
     if resume:
@@ -110,19 +111,54 @@ def clear_earlier_run(out: Path, cfg: TrainConfig) -> None:
         path.unlink()
 
 
-def logged_steps(out: Path) -> list[int] | None:
-    """The steps metrics.jsonl records, in order; None when it cannot be read as this engine writes it."""
+def _records(out: Path) -> tuple[list[tuple[int, str]], str]:
+    """(the (step, line) records metrics.jsonl holds, its last line dropped when a write was cut short
+    there; what is wrong with it, or ''): a complete line that is not this engine's record, or steps
+    out of order, mean the file was edited."""
     metrics = out / "metrics.jsonl"
+    if not metrics.is_file():
+        return [], ""
+    text = metrics.read_text(encoding="utf-8", errors="replace")
+    lines = text.split("\n")[:-1]                  # (after the last newline: '', or a line a write cut short)
+    records: list[tuple[int, str]] = []
+    for number, line in enumerate(lines, 1):
+        try:
+            step = json.loads(line)["step"]
+        except (ValueError, KeyError, TypeError):
+            step = None
+        if not isinstance(step, int) or isinstance(step, bool) or (records and step <= records[-1][0]):
+            return records, f"its line {number} is not a record of the step after the line before it"
+        records.append((step, line))
+    return records, ""
+
+
+def check_metrics(out: Path, step: int, log) -> None:
+    """Before a resume from the checkpoint of `step`: metrics.jsonl missing, cut short or holding only
+    some of the steps is said (the checkpoint alone continues the run); an edited one is refused, with
+    the command that moves it aside (it is never rewritten)."""
+    metrics = out / "metrics.jsonl"
+    if not metrics.exists():
+        log(f"note: {metrics} is missing, so the losses of steps 1..{step} are not recorded; the checkpoint "
+            "alone continues the run")
+        return
     try:
-        return [json.loads(line)["step"] for line in metrics.read_text().splitlines()] if metrics.is_file() else []
-    except (ValueError, KeyError, TypeError):
-        return None
+        records, problem = _records(out)
+    except OSError as error:
+        problem = f"it cannot be read ({read_reason(error)})"
+    if problem:
+        raise TrainingError(f"--resume {out}: metrics.jsonl is not as UGPUM writes it ({problem}), so it is not "
+                            f"rewritten; move it aside (mv {metrics} {metrics}.old) and resume again: the "
+                            "checkpoint alone continues the run")
+    kept = [s for s, _ in records if s <= step]
+    if kept != list(range(1, step + 1)):
+        log(f"note: metrics.jsonl records {len(kept)} of the {step} steps of the checkpoint (cut short or "
+            "partly lost); the checkpoint alone continues the run, and the missing steps' losses stay unrecorded")
 
 
 def resume_point(out: Path, cfg: TrainConfig, identity: dict, log) -> tuple[Path, int]:
-    """The checkpoint a resume continues from and its step, after checking it is this run's, lies
-    within the run's steps and agrees with the metrics; a sentence otherwise."""
-    folder = latest_checkpoint(out, log)                  # (a damaged newer one is skipped, and said so)
+    """The checkpoint a resume continues from and its step, after checking it is this run's, holds only
+    finite numbers and lies within the run's steps; metrics.jsonl is checked too (`check_metrics`)."""
+    folder = latest_checkpoint(out, log, deep=True)       # (a damaged newer one is skipped, and said so)
     if folder is None:
         raise TrainingError(f"--resume {out}: no intact checkpoint in {out / 'checkpoints'}; start a new run")
     state = json.loads((folder / "state.json").read_text())
@@ -135,18 +171,17 @@ def resume_point(out: Path, cfg: TrainConfig, identity: dict, log) -> tuple[Path
     if not 0 < step <= cfg.steps:
         more = f"; set {setting('steps')} above {step} to train on" if step > cfg.steps else ""
         raise TrainingError(f"--resume {out}: its checkpoint is at step {step}, outside this run's 1..{cfg.steps}{more}")
-    logged = logged_steps(out)
-    if logged is None or logged[:step] != list(range(1, step + 1)):
-        raise TrainingError(f"--resume {out}: metrics.jsonl does not record steps 1..{step} of its checkpoint "
-                            "(edited or from another run); it cannot be trusted: start a new run in another folder")
+    check_metrics(out, step, log)
     log(f"resumed from {folder} at step {step}")
     return folder, step
 
 
 def keep_metrics_until(out: Path, step: int) -> None:
-    """A resumed run trains the steps after its checkpoint again: their metrics lines go."""
+    """A resumed run trains the steps after its checkpoint again: their metrics lines go (and a last line
+    a write cut short)."""
     metrics = out / "metrics.jsonl"
-    kept = metrics.read_text().splitlines()[:step] if metrics.is_file() else []
+    records = _records(out)[0]
+    kept = [line for s, line in records if s <= step]
     with atomic_path(metrics) as tmp:                  # a full disk or a kill never leaves half of it
         tmp.write_text("".join(line + "\n" for line in kept))
 

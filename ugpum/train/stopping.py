@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import signal
-import threading
+
+from ..startup import signals_handled
 
 
 class Stopped(KeyboardInterrupt):
@@ -22,10 +23,6 @@ class Stopped(KeyboardInterrupt):
         self.signum = signum
 
 
-def _main_thread() -> bool:
-    return threading.current_thread() is threading.main_thread()
-
-
 def _raise_stopped(signum, _frame):
     raise Stopped(signum)
 
@@ -33,38 +30,25 @@ def _raise_stopped(signum, _frame):
 @contextlib.contextmanager
 def stop_on_sigterm():
     """SIGTERM stops the run the way Ctrl-C does (for the duration of the block)."""
-    if not _main_thread():
+    with signals_handled(_raise_stopped, (signal.SIGTERM,)):
         yield
-        return
-    previous = signal.signal(signal.SIGTERM, _raise_stopped)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 @contextlib.contextmanager
 def saving(log, stopping: bool = False):
     """Hold Ctrl-C and SIGTERM back while the block writes a save. A signal that came meanwhile stops
     the run once the save is complete, unless the run is `stopping` already (then it is noted)."""
-    if not _main_thread():
-        yield
-        return
     held: list[int] = []
 
     def hold(signum, _frame):
         held.append(signum)
         log(f"{signal.Signals(signum).name}: finishing the save first, then stopping")
-    previous = {s: signal.signal(s, hold) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
+    with signals_handled(hold):
         yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
     if held and not stopping:
-        if held[0] == signal.SIGINT:
-            raise KeyboardInterrupt
-        raise Stopped(held[0])
+        stop = KeyboardInterrupt() if held[0] == signal.SIGINT else Stopped(held[0])
+        stop.after_save = True               # the save is complete: nothing of it needs doing again
+        raise stop
 
 
 def stopped_note(out, resume: bool = False) -> str:

@@ -20,9 +20,10 @@ from typing import Iterator
 import torch
 from PIL import Image
 
-from .dataset import (DatasetError, ImageItem, Resolution, _check_positive_int, _list_images, _open_rgb,
-                      _read_caption, _with_trigger, bucket_for, checked_folder_settings, fit_to_bucket,
-                      fixed_bucket, image_size, load_image_folder)
+from ..folders import read_fix, read_reason
+from .dataset import (DatasetError, ImageItem, Resolution, _check_positive_int, _with_trigger, bucket_for,
+                      caption_for, checked_folder_settings, fit_to_bucket, fixed_bucket, image_size, list_pictures,
+                      load_image_folder, open_rgb)
 
 VIDEO_EXTENSIONS = (".mp4", ".webm", ".mkv", ".mov")
 
@@ -50,20 +51,26 @@ def _is_video(p: Path) -> bool:
 
 def _is_frame_folder(p: Path) -> bool:
     """A sub-folder of images with a caption beside it (`wave/` + `wave.txt`): an uncaptioned
-    sub-folder (raw photos, rejects) is not a clip and is ignored as before."""
-    return (p.is_dir() and not p.name.startswith(".") and bool(_list_images(p))
-            and any(q.is_file() for q in p.parent.glob(glob.escape(p.name) + ".*")))
+    sub-folder (raw photos, rejects) is not a clip and is ignored as before (even one this user cannot
+    read); a captioned one that cannot be read is a DatasetError naming it."""
+    return (p.is_dir() and not p.name.startswith(".")
+            and any(q.is_file() for q in p.parent.glob(glob.escape(p.name) + ".*")) and bool(list_pictures(p)))
 
 
 def list_clips(folder: Path) -> list[Path]:
     """Video files and frame folders directly inside `folder`, sorted by name."""
-    return sorted(p for p in folder.iterdir() if _is_video(p) or _is_frame_folder(p))
+    try:
+        entries = sorted(folder.iterdir())
+    except OSError as error:
+        raise DatasetError(f"cannot read dataset folder {folder}: {read_reason(error)}; "
+                           f"{read_fix(error, folder, 'folder')}") from None
+    return [p for p in entries if _is_video(p) or _is_frame_folder(p)]
 
 
 def numbered_frames(folder: Path) -> list[Path]:
     """A frame folder's images in frame order: by the last number in each name (frame_2 before frame_10)."""
     numbered = []
-    for p in _list_images(folder):
+    for p in list_pictures(folder):
         found = re.findall(r"\d+", p.stem)
         if not found:
             raise DatasetError(f"frame folder {folder}: {p.name} has no frame number in its name; name the "
@@ -110,7 +117,7 @@ def _video_frames(path: Path) -> Iterator[Image.Image]:
 def _folder_frames(folder: Path) -> Iterator[Image.Image]:
     size = None
     for p in numbered_frames(folder):
-        image = _open_rgb(p)
+        image = open_rgb(p)
         if size is not None and image.size != size:
             raise DatasetError(f"frame folder {folder}: {p.name} is {image.width}x{image.height}, the frames "
                                f"before it {size[0]}x{size[1]}; give every frame one size")
@@ -213,7 +220,7 @@ def load_clip_folder(
         raise DatasetError(f"{where} holds clips ({list_clips(folder)[0].name}, ...) but frames is 1; set frames "
                            "to 4k+1 (e.g. 17 or 33) to train on clips, or remove the clips to train on images")
     items = clip_items(folder, frames, stride, caption_ext, resolution, repeats, trigger, batch_size)
-    if _list_images(folder):
+    if list_pictures(folder):
         items += load_image_folder(folder, caption_ext, resolution, repeats, trigger, batch_size=batch_size)
     return items
 
@@ -250,10 +257,7 @@ def clip_items(
     items: list[ClipItem] = []
     for clip in clips:
         caption_path = clip.with_name(clip.stem + caption_ext) if clip.is_file() else clip.with_name(clip.name + caption_ext)
-        if not caption_path.is_file():
-            raise DatasetError(f"clip {clip} has no caption file {caption_path.name}; "
-                               "add one (it may be empty) or remove the clip")
-        caption = _with_trigger(_read_caption(caption_path), trigger)
+        caption = _with_trigger(caption_for(clip, caption_path, "clip"), trigger)
         first = first_frame_size(clip, frames, stride, settings)
         bucket = fixed or bucket_for(first, resolution, bucket_no_upscale, f"clip {clip}")
         items.extend(ClipItem(clip, caption, bucket, batch_size, frames, stride) for _ in range(repeats))
