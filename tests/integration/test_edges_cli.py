@@ -270,9 +270,11 @@ def test_an_out_that_is_a_dangling_symlink_or_longer_than_the_system_takes_is_re
 def test_download_into_a_read_only_models_folder_is_one_sentence_before_any_advice_into_it(tmp_path, monkeypatch,
                                                                                          tmpfs):
     from support.cli_run import main_here
+    from support.comfyui_tree import comfyui_tree
     from ugpum.commands.download import planned_files
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("COMFYUI_PATH", str(comfyui_tree(tmp_path / "ComfyUI")))    # one that loads klein's encoder
     models = tmpfs("1m")
     files = [f["path"] for f in planned_files("klein-4b-1024")["files"]]
     for name in files[1:]:                                  # all but the diffusion model are there

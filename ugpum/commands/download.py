@@ -615,10 +615,13 @@ def run_download(args) -> int:
 def check_comfyui(name: str, comfyui: str | None, models: Path) -> None:
     """Before any byte is fetched: refuse (one sentence with the fix) when the ComfyUI that would train on
     these files (`train`'s, for the same --models) cannot load the model's text encoder. Without any
-    ComfyUI here the files are fetched for the user's ComfyUI elsewhere."""
+    ComfyUI here the files are fetched for the user's ComfyUI elsewhere; with every file in place, there is
+    nothing to refuse."""
     from ..arch import get_spec
     from .bridge import comfy_bridge
     entry, _ = catalog.resolve(name)
+    if all(f.dest(models).is_file() for f in catalog.download_files_for(name)):
+        return
     bridge = comfy_bridge()
     found = bridge.locate_comfyui(comfyui, models)
     if found is not None:
