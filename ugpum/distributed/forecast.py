@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from ..arch.base import WEIGHT_BYTES
 from ..devices import Device, gpu_to_gpu_gbps
+from .. import cost
 from ..plan import GIB, MIB, Plan, PlanError, plan_training
 from .schedules import rank_stages, schedule_kind, stages_per_rank
 
@@ -131,7 +132,10 @@ def forecast_distributed(spec, node_devices: list[Device], w, grad_accum: int, n
     # a rank's stages share its GPU and its copy of the small embedders (which the first stage has anyway;
     # stage_slots set it aside from the other ranks' stages)
     aside = [0.0 if 0 in mine else extra / GIB for mine in held]
-    rank_gib = [sum(plan.stages[i].forecast_gib for i in mine) + a for mine, a in zip(held, aside)]
+    # (the allocator's slack is the GPU's, not each stage's: a rank of two stages holds it once)
+    slack = cost.allocator_bytes(spec, w) / GIB
+    rank_gib = [sum(plan.stages[i].forecast_gib for i in mine) - (len(mine) - 1) * slack + a
+                for mine, a in zip(held, aside)]
     budget_gib = [sum(plan.stages[i].budget_gib for i in mine) + a for mine, a in zip(held, aside)]
     # the hidden state (and its gradient) over each machine boundary inside one pipeline
     owner = {i: r for r, mine in enumerate(held) for i in mine}
