@@ -35,34 +35,14 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 from ugpum import cost  # noqa: E402
 from ugpum.arch import Workload, get_spec  # noqa: E402
 from support import recorded_forecasts  # noqa: E402
+# a row's workload, its hidden-state size and its kept blocks, read as the test holding the planner reads them
+from support.recorded_forecasts import kept_blocks, unit_bytes as measured_unit, workload  # noqa: E402
 
 GIB, MIB = 1024 ** 3, 1024 ** 2
 ROWS = [str(path) for path in recorded_forecasts.FILES]
 # Not measured with the 8-bit base run eagerly (compile off): the speeds recorded in bench/results/speed.md
 # (fp8 0.71 s and int8 1.00 s against bf16's 0.61 s, eager klein 9B on an H200), kept as they were.
 EAGER_DENSE_SPEED = {"bf16": 1.0, "fp8": 0.83, "int8": 0.56}
-
-
-def workload(row: dict) -> Workload:
-    eight_bit = row["base_compute"] in cost.EIGHT_BIT_MODES
-    return Workload(width=row["resolution"], height=row["resolution"], frames=row["frames"],
-                    rank=rank_of(row), compiled=row["compile"] != "off", base_compute=row["base_compute"],
-                    weight_dtype="fp8" if eight_bit else "bf16", recompute=row["recompute"])
-
-
-def rank_of(row: dict) -> int:
-    words = row["command"].split()
-    return int(words[words.index("--rank") + 1]) if "--rank" in words else 16
-
-
-def measured_unit(row: dict, spec, w: Workload) -> float:
-    """Bytes of one hidden state in this run: what a recomputed block left alive, else the spec's count."""
-    small = [m for m in row["block_kept_mib"] if m * MIB < 2 * spec.boundary_bytes(w)]
-    return statistics.median(small) * MIB if small else spec.boundary_bytes(w)
-
-
-def kept_blocks(row: dict, unit: float) -> list[int]:
-    return [i for i, m in enumerate(row["block_kept_mib"]) if m * MIB > 2 * unit]
 
 
 def kept_units(rows: list[dict]) -> dict:
@@ -72,7 +52,7 @@ def kept_units(rows: list[dict]) -> dict:
         spec, w = get_spec(row["model"]), workload(row)
         unit = measured_unit(row, spec, w)
         kinds = [b.kind for b in spec.blocks]
-        for i in kept_blocks(row, unit):
+        for i in kept_blocks(row, spec, w):
             inner = 0 < i < len(kinds) - 1 and kinds[i + 1] == kinds[i]
             if inner:
                 key = (spec.family, "compiled" if w.compiled else "eager")
@@ -96,7 +76,7 @@ def work_units(rows: list[dict]) -> dict:
             continue
         spec, w = get_spec(row["model"]), workload(row)
         unit = measured_unit(row, spec, w)
-        recomputed = len(kept_blocks(row, unit)) < len(spec.blocks)
+        recomputed = len(kept_blocks(row, spec, w)) < len(spec.blocks)
         work = (row["peak_gib"] * GIB - counted_bytes(row, spec, w)) / unit
         key = (spec.family, "compiled" if w.compiled else "eager")
         found.setdefault(key, {}).setdefault("recompute_work" if recomputed else "keep_work", []).append(work)
@@ -154,8 +134,7 @@ def memory_table(rows: list[dict]) -> dict:
 def flops(row: dict) -> tuple[float, float, float]:
     """(dense, attention, seconds at 1 TFLOP/s and efficiency 1 in bf16) of the row's step."""
     spec, w = get_spec(row["model"]), workload(row)
-    unit = measured_unit(row, spec, w)
-    kept = set(kept_blocks(row, unit))
+    kept = set(kept_blocks(row, spec, w))
     dense = attention = 0.0
     for i, block in enumerate(spec.blocks):
         d, a = cost.block_train_flops_split(spec, block, w, i not in kept)

@@ -7,6 +7,7 @@ Shared by tests/unit/test_calibration.py and `python bench/calibration_fit.py`, 
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 from ugpum import cost
@@ -49,8 +50,8 @@ def workload(row: dict) -> Workload:
 def unit_bytes(row: dict, spec, w: Workload) -> float:
     """One hidden state in this run: what a recomputed block left alive (its output), which reads the tokens
     the dataset's buckets really had; else the spec's count at resolution²."""
-    small = sorted(m for m in row.get("block_kept_mib") or [] if m * MIB < 2 * spec.boundary_bytes(w))
-    return small[len(small) // 2] * MIB if small else spec.boundary_bytes(w)
+    small = [m for m in row.get("block_kept_mib") or [] if m * MIB < 2 * spec.boundary_bytes(w)]
+    return statistics.median(small) * MIB if small else spec.boundary_bytes(w)
 
 
 def kept_blocks(row: dict, spec, w: Workload) -> tuple[int, ...]:
