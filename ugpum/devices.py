@@ -290,17 +290,13 @@ def _detected_by_index(spec: str, index: int, probe: bool) -> Device:
 
 def host_device() -> Device:
     """The host RAM as a device (the swap tier)."""
-    total, free = _host_memory()
+    total, free = host_memory()
     return Device(label="cpu", torch_device="cpu", total_bytes=total, free_bytes=free,
                   tflops_bf16=CPU_TFLOPS_BF16, host_gbps=CPU_MEMCPY_GBPS, link="host")
 
 
 def host_memory() -> tuple[int, int]:
     """(total, available) bytes of this machine's RAM; (0, 0) where it cannot be read."""
-    return _host_memory()
-
-
-def _host_memory() -> tuple[int, int]:
     try:  # psutil comes with ComfyUI and works on Windows too
         import psutil
 

@@ -8,7 +8,7 @@ from functools import lru_cache
 
 from . import cost
 from .arch.base import ACT_BYTES, WEIGHT_BYTES, ArchSpec, Workload
-from .devices import Device, gpu_to_gpu_gbps, speed_assumed
+from .devices import Device, gpu_to_gpu_gbps, host_memory, speed_assumed
 from .schedules import best_schedule, in_flight as held_in_flight
 from .wording import setting
 
@@ -535,7 +535,6 @@ def host_shortfall(plan: Plan, devices: list[Device]) -> str:
     now, with what to change ('' when it fits, or for cards described by hand: their host is not this one)."""
     if not any((d.torch_device or "").startswith("cuda") for d in devices):
         return ""
-    from .devices import host_memory
     _, available = host_memory()
     if not available or plan.forecast_host_gib * GIB <= available:
         return ""

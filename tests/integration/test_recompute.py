@@ -45,8 +45,8 @@ def cfg(recompute: str):
 
 def cap_host_memory(monkeypatch, free_bytes: int) -> None:
     """The host reports `free_bytes` available: the CPU devices' budget the planner sees."""
-    total, _ = ugpum_devices._host_memory()
-    monkeypatch.setattr(ugpum_devices, "_host_memory", lambda: (total, free_bytes))
+    total, _ = ugpum_devices.host_memory()
+    monkeypatch.setattr(ugpum_devices, "host_memory", lambda: (total, free_bytes))
 
 
 def mixed_cap(monkeypatch) -> int:
