@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..formats.atomic import abandoned_temp, honour_umask, write_json_atomic
+from ..formats.atomic import honour_umask, remove_abandoned, write_json_atomic
 from ..formats.disk_space import DiskFull, check_space, full_disk_error
 from ..formats.finite import NonFinite, is_finite, non_finite, shown
 from ..formats.safetensors_header import HeaderError, check_file
@@ -271,11 +271,10 @@ def remove_leftovers(out: Path, cache_dir: str | Path | None = None) -> list[Pat
     folders = [out, out / "checkpoints", out / "samples"]
     for cache in {out / "cache", Path(cache_dir) if cache_dir else out / "cache"}:
         folders += [cache / "latents", cache / "text"]
-    gone = [p for p in (out / "checkpoints").glob(".tmp_step_*")] + \
-        [p for folder in folders for p in folder.glob(".*.tmp") if abandoned_temp(p)]
+    gone = list((out / "checkpoints").glob(".tmp_step_*"))
     for p in gone:
         shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
-    return gone
+    return gone + [p for folder in folders for p in remove_abandoned(folder)]
 
 
 def load_checkpoint(folder: Path, lora: LoraSet, optimizer: torch.optim.Optimizer) -> dict:
