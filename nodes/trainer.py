@@ -125,15 +125,15 @@ def make_config(model: UGPUMModel, plan: UGPUMPlan, dataset: Path, trigger_word:
                 save_name: str, frame_stride: int = 1, timesteps: str = "auto", compile: str = "auto",
                 dataset_root: Path | None = None):
     """The Planner's TrainConfig (ugpum/train/config.py) with this node's settings added; every path the
-    dataset names must lie inside `dataset_root` (dataset_path's root)."""
+    dataset names must lie inside `dataset_root` (dataset_path's root). What the plan resolved (devices,
+    schedule, base compute) stays in the plan, which `train` is given: the config keeps the settings."""
     from ugpum.devices import check_trainable
     check_trainable(list(plan.devices), model.spec)
     return dataclasses.replace(
         plan.config, dataset=str(dataset), trigger=trigger_word.strip(), frame_stride=frame_stride, steps=steps,
         lr=learning_rate, alpha=alpha, seed=seed % 2**32, sample_every=sample_every,
         sample_prompt=sample_prompt.strip(), output_name=save_name,          # (validate: ugpum's one rule for names)
-        timesteps=timesteps, compile=compile, devices=[d.torch_device for d in plan.devices], schedule=plan.plan.schedule,
-        dataset_root=str(dataset_root) if dataset_root else None).validate()
+        timesteps=timesteps, compile=compile, dataset_root=str(dataset_root) if dataset_root else None).validate()
 
 
 def _publish(src: Path, dest: Path) -> None:
@@ -256,7 +256,7 @@ class LoRATrainer(io.ComfyNode):
             check_folders(out, dest.parent)
             cfg = make_config(model, plan, data, trigger_word, steps, learning_rate, alpha, seed,
                               sample_prompt, sample_every, save_name, frame_stride, timesteps, compile, root)
-            encoders = make_encoders(model, clip, vae, cfg.devices)
+            encoders = make_encoders(model, clip, vae, [d.torch_device for d in plan.devices])
         resumed = resume and latest_checkpoint(out) is not None        # nothing saved yet: start over
         if not resumed:                                  # a new run never replaces an earlier one
             held = earlier_run(out, cfg) or (f"{lora_name} in the LoRA list" if dest.exists() else None)

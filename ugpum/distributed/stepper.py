@@ -49,7 +49,7 @@ from ..schedules import rank_stages, schedule_kind, stages_per_rank
 from ..train.checkpoint import load_checkpoint
 from ..train.config import TrainConfig
 from ..train.errors import TrainingError
-from ..train.prepare import make_trainable, quantiser, recomputed_paths, with_planned_base_compute
+from ..train.prepare import make_trainable, quantiser
 from ..train.run_folder import save_run
 from .forecast import distributed_plan
 from .schedule_run import GradientsInOrder, clip_pipeline, run_schedule
@@ -161,14 +161,13 @@ class PipelineStepper:
         """This rank's share of the model (streamed from its file), trainable as in one process (8-bit
         base, in-place guard, compiled, checkpointed), with its stages' LoRA."""
         top = self.top
-        cfg = with_planned_base_compute(cfg, plan)
         self.cfg, self.spec = cfg, spec
         self.ranges = ranges = stage_ranges([tuple(s.blocks) for s in plan.stages])
         mine = [ranges[s] for s in top.stage_ids]
         log(_layout_line(top, ranges))
         keep_only(model, spec, mine)
         own_paths = [spec.blocks[i].path for r in mine for i in range(r.start, r.end)]
-        quantise = quantiser(cfg, spec, own_paths, [top.device], model)
+        quantise = quantiser(plan, spec, own_paths, [top.device], model)
         if any(p.is_meta for p in model.parameters()):
             from ..place import Layout
             from ..stream_load import fill_from_file
@@ -179,7 +178,7 @@ class PipelineStepper:
         model.to(top.device)
         self.lora = stage_lora(model, cfg, spec, mine)
         # (each rank checkpoints its own blocks that the plan recomputes)
-        self.undo = make_trainable(cfg, spec, model, own_paths, quantise, recomputed_paths(plan, spec, own_paths), log)
+        self.undo = make_trainable(cfg, plan, spec, model, own_paths, quantise, log)
         self.model = model
         self.params = [p for _, p in lora_params(self.lora)]
         self.stages = [stage_module(model, spec, r, cfg.autocast, cfg.weight_dtype)

@@ -3,7 +3,6 @@ trainable (8-bit base, in-place guard, compiled, checkpointed), the optimizer an
 A setting an engine cannot honour is refused here, by name, before any weight is loaded."""
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Callable
 
@@ -44,16 +43,16 @@ def base_linear_paths(spec, block_paths: list[str]) -> list[str]:
     return lora_targets(block_paths, [linears[p] for p in block_paths])
 
 
-def quantiser(cfg: TrainConfig, spec, block_paths: list[str], devices, model) -> QuantiseAsLoaded | None:
-    """For a model streamed from its file in 8-bit: the hook that quantises each Linear as its weight
-    arrives (the bf16 base never lands whole); None otherwise. Refuses devices without the tensor
-    cores, before anything loads."""
+def quantiser(plan: Plan, spec, block_paths: list[str], devices, model) -> QuantiseAsLoaded | None:
+    """For a model streamed from its file in 8-bit (the plan's base compute): the hook that quantises
+    each Linear as its weight arrives (the bf16 base never lands whole); None otherwise. Refuses devices
+    without the tensor cores, before anything loads."""
     on_meta = any(p.is_meta for p in model.parameters())
-    if not on_meta or cfg.base_compute == "bf16":
+    if not on_meta or plan.base_compute == "bf16":
         return None
-    check_devices(cfg.base_compute, devices)
+    check_devices(plan.base_compute, devices)
     model.requires_grad_(False)               # the base is frozen anyway (attach_lora); 8-bit needs it now
-    return QuantiseAsLoaded(base_linear_paths(spec, block_paths), cfg.base_compute)
+    return QuantiseAsLoaded(base_linear_paths(spec, block_paths), plan.base_compute)
 
 
 def recomputed_paths(plan: Plan, spec, block_paths: list[str]) -> list[str]:
@@ -62,16 +61,18 @@ def recomputed_paths(plan: Plan, spec, block_paths: list[str]) -> list[str]:
     return [p for p in block_paths if p not in kept]
 
 
-def make_trainable(cfg: TrainConfig, spec, model, block_paths: list[str], quantised: QuantiseAsLoaded | None,
-                   recomputed: list[str], log=print) -> Callable[[], None]:
-    """After the LoRA is attached to `block_paths`: the base in `base_compute` (unless quantised as it
-    loaded), residuals safe to differentiate, the blocks compiled (`compile`), then the `recomputed` ones
+def make_trainable(cfg: TrainConfig, plan: Plan, spec, model, block_paths: list[str],
+                   quantised: QuantiseAsLoaded | None, log=print) -> Callable[[], None]:
+    """After the LoRA is attached to `block_paths`: the base in the plan's base compute (unless quantised
+    as it loaded), residuals safe to differentiate, the blocks compiled (`compile`), then the ones the plan
+    recomputes
     checkpointed (checkpointing wraps the compiled forward). Returns undo()."""
     if quantised is not None:
         log(quantised.summary())
         undo_8bit = lambda: None                 # noqa: E731 - nothing to put back: the model is dropped after
     else:
-        undo_8bit = use_8bit_base(model, base_linear_paths(spec, block_paths), cfg.base_compute, log, keep="cpu")
+        undo_8bit = use_8bit_base(model, base_linear_paths(spec, block_paths), plan.base_compute, log, keep="cpu")
+    recomputed = recomputed_paths(plan, spec, block_paths)
     guards = guard_inplace_residuals(model, include_rms=False)
     undo_compile = compile_blocks(model, block_paths, cfg.compile, log)
     undo_ckpt = checkpoint_blocks(model, recomputed)
@@ -87,28 +88,22 @@ def make_trainable(cfg: TrainConfig, spec, model, block_paths: list[str], quanti
     return undo
 
 
-def with_planned_base_compute(cfg: TrainConfig, plan: Plan) -> TrainConfig:
-    """`cfg` with base_compute = auto replaced by what the plan chose (ugpum.plan.choose_base_compute)."""
-    return dataclasses.replace(cfg, base_compute=plan.base_compute) if cfg.base_compute == "auto" else cfg
-
-
 def prepare_model(cfg: TrainConfig, spec, plan: Plan, model, key_prefix: str = "", log=print):
     """Place the DiT by the plan (streaming it from its file when built on meta), attach the LoRA and
-    make it trainable. Returns (model, lora, layout, release)."""
-    cfg = with_planned_base_compute(cfg, plan)
+    make it trainable. Settings the plan resolved (base compute, schedule, devices) are read from the
+    plan, never from `cfg`. Returns (model, lora, layout, release)."""
     on_meta = any(p.is_meta for p in model.parameters())     # streamed from its file: dropped after
-    if cfg.base_compute != "bf16" and plan.offloaded_blocks and not on_meta:
-        raise TrainingError(f"base_compute = {cfg.base_compute} with block swap quantises each layer as it streams "
+    if plan.base_compute != "bf16" and plan.offloaded_blocks and not on_meta:
+        raise TrainingError(f"base_compute = {plan.base_compute} with block swap quantises each layer as it streams "
                             "from the model file: build the model on the meta device (as train and the nodes do)")
     block_paths = [b.path for b in spec.blocks]
-    quantise = quantiser(cfg, spec, block_paths, [s.torch_device for s in plan.stages], model)
+    quantise = quantiser(plan, spec, block_paths, [s.torch_device for s in plan.stages], model)
     placement = place_by_plan(model, plan, spec.tail_modules, cfg.model_file, key_prefix,
                               TORCH_DTYPES[cfg.weight_dtype], on_weight=quantise)
     lora = attach_lora(model, lora_targets(block_paths, [b.linears for b in spec.blocks], tuple(cfg.targets)),
                        cfg.rank, cfg.alpha, seed=cfg.seed)
     log(recompute_line(plan))                            # the forecast's line; make_trainable says what it did
-    undo_trainable = make_trainable(cfg, spec, model, block_paths, quantise, recomputed_paths(plan, spec, block_paths),
-                                    log)
+    undo_trainable = make_trainable(cfg, plan, spec, model, block_paths, quantise, log)
 
     def release():
         undo_trainable()
