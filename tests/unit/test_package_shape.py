@@ -155,3 +155,51 @@ def test_tests_use_the_public_library():
         modules = imported_modules(path)
         assert not any(m == "bench" or m.startswith("bench.") for m in modules), f"{path.name} imports a bench script"
         assert not private.search(text), f"{path.name} imports a private name of ugpum"
+
+
+# Settings flow one way: config -> plan -> engine. What the plan resolves (`auto` made concrete) is read
+# from the plan; writing it back into a config would give one setting two values.
+RESOLVED_BY_THE_PLAN = {"base_compute", "devices", "schedule"}
+
+
+def settings_written_back(source: str) -> list[str]:
+    """`replace(config, ...)` calls in `source` that set a setting the plan resolves."""
+    def is_config(node):
+        return (isinstance(node, ast.Name) and node.id in ("cfg", "config")) or \
+            (isinstance(node, ast.Attribute) and node.attr in ("cfg", "config"))
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and node.args and is_config(node.args[0]):
+            name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            if name == "replace":
+                found += [f"line {node.lineno}: {k.arg}" for k in node.keywords if k.arg in RESOLVED_BY_THE_PLAN]
+    return found
+
+
+def test_no_setting_flows_back_from_the_plan_into_a_config():
+    assert settings_written_back("import dataclasses\ncfg = dataclasses.replace(cfg, base_compute=plan.base_compute)\n"
+                                 "c = replace(plan.config, steps=3, schedule=plan.plan.schedule)\n") == \
+        ["line 2: base_compute", "line 3: schedule"]
+    offenders = [f"{p.relative_to(REPO)} {f}" for folder in (PACKAGE, REPO / "nodes")
+                 for p in sorted(folder.rglob("*.py")) for f in settings_written_back(p.read_text(encoding="utf-8"))]
+    assert offenders == []
+
+
+# The run folder is one component: only ugpum/train/run_layout.py names what a run folder holds.
+RUN_FOLDER_NAMES = {"metrics.jsonl", "plan.json", "checkpoints", "samples", "cache", ".ugpum_run.lock",
+                    "before_after.png"}
+
+
+def run_paths_built(source: str) -> list[str]:
+    """`path / "checkpoints"` and the like in `source`: a run folder's layout spelled outside run_layout."""
+    return [f"line {node.lineno}: {node.right.value}" for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div)
+            and isinstance(node.right, ast.Constant) and node.right.value in RUN_FOLDER_NAMES]
+
+
+def test_only_the_run_layout_names_a_run_folders_files():
+    assert run_paths_built('from pathlib import Path\nout = Path("x")\np = out / "metrics.jsonl"\n') == \
+        ["line 3: metrics.jsonl"]
+    offenders = [f"{p.relative_to(REPO)} {f}" for folder in (PACKAGE, REPO / "nodes") for p in sorted(folder.rglob("*.py"))
+                 if p.name != "run_layout.py" for f in run_paths_built(p.read_text(encoding="utf-8"))]
+    assert offenders == []

@@ -136,9 +136,10 @@ def recorded_run(out: str) -> dict:
     """state.json of the newest intact checkpoint of the run in `out`: its settings (identity.config)
     and what it was loaded from (inputs); one sentence when there is none to read."""
     from ..train.checkpoint import latest_checkpoint
+    from ..train.run_layout import RunFolder
     folder = latest_checkpoint(Path(out).expanduser())
     if folder is None:
-        raise UsageError(f"--resume {out}: no intact checkpoint in {Path(out) / 'checkpoints'}, so nothing records "
+        raise UsageError(f"--resume {out}: no intact checkpoint in {RunFolder(Path(out)).checkpoints}, so nothing records "
                          "the run's settings; start it again with --profile or --config and --out")
     import json
     try:

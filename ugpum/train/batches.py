@@ -13,6 +13,7 @@ from .cache import FeatureCache
 from .config import TrainConfig
 from .dataset import ImageItem, caption_dropout
 from .pictures import skipped_note, skipped_pictures
+from .run_layout import RunFolder
 from .musubi_toml import check_inside, load_musubi_toml
 from .objective import model_context
 from .video import load_folder
@@ -51,7 +52,7 @@ def encode_features(cfg: TrainConfig, items, encoders, out: Path, log=print) -> 
     """Every latent and caption embedding through the feature cache (and the sample prompts for runs
     that sample); the encoders are released after, also on failure, so they leave the GPUs before
     the DiT is placed."""
-    cache = FeatureCache(cfg.cache_dir or out / "cache", encoders)
+    cache = FeatureCache(RunFolder(out, cfg.cache_dir).cache, encoders)
     try:
         latents = [cache.latent(item) for item in items]
         rng = random.Random(cfg.seed)

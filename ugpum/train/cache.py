@@ -33,6 +33,8 @@ KEPT = "the features cached so far are kept (or set cache_dir to a folder on ano
 
 
 class FeatureCache:
+    KINDS = ("latents", "text")          # a subfolder each
+
     def __init__(self, folder: str | Path, encoders: Encoders, setting: str = "cache_dir"):
         self.folder = check_writable(folder, setting, "set cache_dir to a folder you can write in, or make "
                                                       "this one writable")
@@ -68,7 +70,7 @@ class FeatureCache:
         if isinstance(item, ClipItem):
             return self.clip_latent(item)
         key = self._key(content_digest(item.path), repr(item.bucket).encode(), PIXELS)
-        return self._get("latents", key, lambda: self.encoders.encode_images(load_bucketed_image(item)[None])[0])
+        return self._get(self.KINDS[0], key, lambda: self.encoders.encode_images(load_bucketed_image(item)[None])[0])
 
     def clip_latent(self, item: ClipItem) -> torch.Tensor:
         def encode() -> torch.Tensor:
@@ -80,10 +82,10 @@ class FeatureCache:
             return latent
         key = self._key(content_digest(item.path), repr(item.bucket).encode(),
                         f"frames={item.frames} stride={item.stride}".encode(), PIXELS)
-        return self._get("latents", key, encode)
+        return self._get(self.KINDS[0], key, encode)
 
     def text(self, caption: str) -> torch.Tensor:
-        return self._get("text", self._key(caption.encode()), lambda: self.encoders.encode_text([caption])[0])
+        return self._get(self.KINDS[1], self._key(caption.encode()), lambda: self.encoders.encode_text([caption])[0])
 
 
 def dataset_hash(items: Iterable) -> str:

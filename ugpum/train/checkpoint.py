@@ -31,6 +31,8 @@ from ..formats.disk_space import DiskFull, check_space, full_disk_error
 from ..formats.finite import NonFinite, is_finite, non_finite, shown
 from ..formats.safetensors_header import HeaderError, check_file
 from ..lora import LoraSet
+from .cache import FeatureCache
+from .run_layout import RunFolder
 
 LATEST = "latest.json"
 
@@ -127,7 +129,7 @@ def save_checkpoint(out: Path, step: int, lora: LoraSet, optimizer: torch.optim.
                     kept: str | None = None) -> Path:
     """Write the checkpoint of step `step` (never one with non-finite values, never one the disk cannot
     hold: DiskFull says how much it needs, how much is free, and `kept`)."""
-    root = Path(out) / "checkpoints"
+    root = RunFolder(out).checkpoints
     what = f"the checkpoint at step {step}"
     check_finite_lora(lora, what)
     if not all(is_finite(torch.as_tensor(v)) for st in optimizer.state.values() for v in st.values()):
@@ -246,7 +248,7 @@ def latest_checkpoint(out: Path, log=None, deep: bool = False) -> Path | None:
     corrupt or stale changes nothing). A newer one that is damaged is skipped; `log`, when given, hears
     which and why, so a fallback is never silent. `deep` (a resume): its tensors read, and one holding
     a NaN or an infinity skipped as well."""
-    root = Path(out) / "checkpoints"
+    root = RunFolder(out).checkpoints
     folders = sorted(((step, f) for f in root.glob("step_*") if (step := _folder_step(f)) is not None
                       and f.is_dir()), reverse=True)
     skipped = []
@@ -267,11 +269,11 @@ def remove_leftovers(out: Path, cache_dir: str | Path | None = None) -> list[Pat
     """Delete what an interrupted save left behind (temporary checkpoint folders, and atomic-write
     temporaries whose writer is gone) in a run folder, its samples and feature cache (`cache_dir`
     when the cache lives elsewhere); returns what was removed."""
-    out = Path(out)
-    folders = [out, out / "checkpoints", out / "samples"]
-    for cache in {out / "cache", Path(cache_dir) if cache_dir else out / "cache"}:
-        folders += [cache / "latents", cache / "text"]
-    gone = list((out / "checkpoints").glob(".tmp_step_*"))
+    run = RunFolder(out, cache_dir)
+    folders = run.written_folders()
+    for cache in {RunFolder(out).cache, run.cache}:
+        folders += [cache / kind for kind in FeatureCache.KINDS]
+    gone = list(run.checkpoints.glob(".tmp_step_*"))
     for p in gone:
         shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
     return gone + [p for folder in folders for p in remove_abandoned(folder)]

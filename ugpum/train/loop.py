@@ -99,7 +99,7 @@ def _train(cfg: TrainConfig, out: Path, model, encoders, key_prefix: str, resume
         run = open_run(cfg, spec, out, resume, overwrite, h.log, inputs)
         features = encode_features(cfg, run.items, stepper.encoders(encoders), out, h.log)
         chosen = stepper.make_plan(cfg, spec)
-        write_json_atomic(out / "plan.json", stepper.plan_record(chosen))
+        write_json_atomic(run.files.plan, stepper.plan_record(chosen))
         return run, features, chosen
     run, features, plan = stepper.share(begin)
     say(plan.verdict)
@@ -252,5 +252,5 @@ class RunState:
                 self.samples.take(self.step)
 
     def record(self, loss: float, seconds: float) -> None:
-        append_line(self.run.out / "metrics.jsonl", json.dumps({     # whole lines only, even on a full disk
+        append_line(self.run.files.metrics, json.dumps({     # whole lines only, even on a full disk
             "step": self.step, "loss": loss, "lr": self.optimizer.param_groups[0]["lr"], "seconds": round(seconds, 4)}))

@@ -22,11 +22,9 @@ from .checkpoint import (DiskFull, check_same_run, disk_full, full_disk_kept, he
 from .config import TrainConfig
 from .errors import RunExists, TrainingError
 from ..lora import LoraSet, lora_targets
+from .run_layout import RunFolder
 from .stopping import saving
 from ..wording import setting
-
-RUN_FILES = ("metrics.jsonl", "checkpoints", "plan.json", "samples")
-
 
 class RunFinished(TrainingError):
     """A resume of a run that has trained all its steps: nothing is left to train."""
@@ -41,6 +39,10 @@ class OpenedRun:
     checkpoint: Path | None        # the checkpoint a resume continues from
     start: int                     # the first step to train (the checkpoint's step)
     inputs: dict = dataclasses.field(default_factory=dict)   # what the front end loaded the run from
+
+    @property
+    def files(self) -> RunFolder:
+        return RunFolder(self.out)
 
 
 def open_run(cfg: TrainConfig, spec, out: Path, resume: bool, overwrite: bool, log=print,
@@ -93,21 +95,21 @@ def run_identity(cfg: TrainConfig, spec, data_hash: str) -> dict:
 def earlier_run(out: Path, cfg: TrainConfig) -> str | None:
     """What an earlier run trained into `out` (steps logged, a checkpoint, a LoRA), or None when it
     holds nothing trained (a fresh folder, or a run that stopped before its first step)."""
-    metrics = out / "metrics.jsonl"
+    metrics = RunFolder(out).metrics
     found = [f"metrics of {len(metrics.read_text().splitlines())} step(s)"] \
         if metrics.is_file() and metrics.stat().st_size else []
     checkpoint = latest_checkpoint(out)
     found += [f"checkpoint {checkpoint.name}"] if checkpoint else []
-    found += sorted(p.name for p in out.glob(f"{cfg.output_name}*.safetensors"))
+    found += [p.name for p in RunFolder(out).loras(cfg.output_name)]
     return ", ".join(found) or None
 
 
 def clear_earlier_run(out: Path, cfg: TrainConfig) -> None:
     """--overwrite: remove an earlier run's files (the feature cache stays: it is keyed by content)."""
-    for name in RUN_FILES:
-        path = out / name
+    run = RunFolder(out)
+    for path in run.run_files():
         shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
-    for path in out.glob(f"{cfg.output_name}*.safetensors"):
+    for path in run.loras(cfg.output_name):
         path.unlink()
 
 
@@ -115,7 +117,7 @@ def _records(out: Path) -> tuple[list[tuple[int, str]], str]:
     """(the (step, line) records metrics.jsonl holds, its last line dropped when a write was cut short
     there; what is wrong with it, or ''): a complete line that is not this engine's record, or steps
     out of order, mean the file was edited."""
-    metrics = out / "metrics.jsonl"
+    metrics = RunFolder(out).metrics
     if not metrics.is_file():
         return [], ""
     text = metrics.read_text(encoding="utf-8", errors="replace")
@@ -136,7 +138,7 @@ def check_metrics(out: Path, step: int, log) -> None:
     """Before a resume from the checkpoint of `step`: metrics.jsonl missing, cut short or holding only
     some of the steps is said (the checkpoint alone continues the run); an edited one is refused, with
     the command that moves it aside (it is never rewritten)."""
-    metrics = out / "metrics.jsonl"
+    metrics = RunFolder(out).metrics
     if not metrics.exists():
         log(f"note: {metrics} is missing, so the losses of steps 1..{step} are not recorded; the checkpoint "
             "alone continues the run")
@@ -160,11 +162,11 @@ def resume_point(out: Path, cfg: TrainConfig, identity: dict, log) -> tuple[Path
     finite numbers and lies within the run's steps; metrics.jsonl is checked too (`check_metrics`)."""
     folder = latest_checkpoint(out, log, deep=True)       # (a damaged newer one is skipped, and said so)
     if folder is None:
-        raise TrainingError(f"--resume {out}: no intact checkpoint in {out / 'checkpoints'}; start a new run")
+        raise TrainingError(f"--resume {out}: no intact checkpoint in {RunFolder(out).checkpoints}; start a new run")
     state = json.loads((folder / "state.json").read_text())
     check_same_run(state.get("identity") or {}, identity, folder)
     step = state["step"]
-    if step == cfg.steps and (out / f"{cfg.output_name}.safetensors").is_file():
+    if step == cfg.steps and RunFolder(out).lora(f"{cfg.output_name}.safetensors").is_file():
         raise RunFinished(f"--resume {out}: the run is finished ({step} of {cfg.steps} steps trained, "
                           f"{cfg.output_name}.safetensors written); nothing is left to train: to train on, resume "
                           f"with a new total, {setting('steps', 2 * step)} for instance")
@@ -179,7 +181,7 @@ def resume_point(out: Path, cfg: TrainConfig, identity: dict, log) -> tuple[Path
 def keep_metrics_until(out: Path, step: int) -> None:
     """A resumed run trains the steps after its checkpoint again: their metrics lines go (and a last line
     a write cut short)."""
-    metrics = out / "metrics.jsonl"
+    metrics = RunFolder(out).metrics
     records = _records(out)[0]
     kept = [line for s, line in records if s <= step]
     with atomic_path(metrics) as tmp:                  # a full disk or a kill never leaves half of it
@@ -192,7 +194,7 @@ def save_final_lora(cfg: TrainConfig, spec, lora: LoraSet, out: Path, steps: int
                          steps=steps, resolution=cfg.resolution, dataset_hash=data_hash, implementation="ugpum")
     tensors = {path: (a.A.detach().cpu(), a.B.detach().cpu()) for path, a in lora.items()}
     try:
-        return save_lora(out / name, tensors, cfg.rank, cfg.alpha, meta, dtype=torch.float32)
+        return save_lora(RunFolder(out).lora(name), tensors, cfg.rank, cfg.alpha, meta, dtype=torch.float32)
     except Exception as err:
         full = disk_full(err, f"the LoRA {name}", out, sum(a.A.numel() + a.B.numel() for _, a in lora.items()) * 4)
         if full is err:

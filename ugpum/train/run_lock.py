@@ -19,8 +19,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from .errors import TrainingError
+from .run_layout import LOCK_NAME, RunFolder  # noqa: F401 (LOCK_NAME: the lock file, named by the run folder)
 
-LOCK_NAME = ".ugpum_run.lock"
 
 try:
     import fcntl
@@ -70,7 +70,7 @@ class RunLock:
 
     def __init__(self, folder: Path | str):
         self.folder = Path(folder)
-        self.path = self.folder / LOCK_NAME
+        self.path = RunFolder(self.folder).lock
         self._fd: int | None = None
         self.taken_over: dict | None = None     # what a run that ended without letting go had written
         self.unlocked: str = ""                  # why the folder could not be locked (a filesystem without locks)

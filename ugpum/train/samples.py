@@ -15,13 +15,14 @@ from ..diffusion.render_prompt import render
 from ..formats.atomic import atomic_path
 from ..formats.disk_space import is_disk_full
 from ..report import grid, save_animation, to_pil
+from .run_layout import RunFolder
 from .video import ClipItem
 
 
 class Samples:
     def __init__(self, cfg, spec, out: Path, model, decode, prompt, negative, items,
                  on_sample: Callable[[int, object], None] | None = None, log: Callable[[str], None] = print):
-        self.cfg, self.spec, self.out, self.model, self.decode, self.log = cfg, spec, Path(out), model, decode, log
+        self.cfg, self.spec, self.run, self.model, self.decode, self.log = cfg, spec, RunFolder(out), model, decode, log
         self.failed = False                  # a sample failed: no more are taken (said once)
         self.prompt, self.negative, self.on_sample = prompt, negative, on_sample
         # clips preview at the first clip's bucket (e.g. 832x480): the first frame as PNG (the
@@ -40,7 +41,7 @@ class Samples:
 
     def _failed(self, what: str, error: BaseException) -> None:
         self.failed = True
-        folder = self.out / "samples"
+        folder = self.run.samples
         if isinstance(error, torch.OutOfMemoryError):
             why, fix = "the GPU ran out of memory rendering it", "set sample_every = 0, or lower sample_steps"
         elif is_disk_full(error):
@@ -59,7 +60,7 @@ class Samples:
                                             self.width, self.height, cfg.sample_seed, cfg.sample_steps, cfg.frames,
                                             cfg.sample_guidance)]
         image = frames[0]
-        path = self.out / "samples" / f"step_{at:05d}.png"
+        path = self.run.sample(at)
         path.parent.mkdir(exist_ok=True)
         if len(frames) > 1:
             with atomic_path(path.with_suffix(".webp")) as tmp:
@@ -75,7 +76,7 @@ class Samples:
         from PIL import Image
         if self.failed or not self.paths:
             return None
-        path = self.out / "samples" / "before_after.png"
+        path = self.run.before_after
         try:
             with Image.open(self.paths[0]) as before, Image.open(self.paths[-1]) as after, atomic_path(path) as tmp:
                 grid([("before", [before.copy()]), (f"after {step}", [after.copy()])]).save(tmp, format="PNG")
