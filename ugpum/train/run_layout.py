@@ -26,8 +26,7 @@ class RunFolder:
 
     def __post_init__(self):
         object.__setattr__(self, "root", Path(self.root))
-        if self.cache_dir is not None:
-            object.__setattr__(self, "cache_dir", Path(self.cache_dir))
+        object.__setattr__(self, "cache_dir", Path(self.cache_dir) if self.cache_dir else None)   # ('': unset)
 
     @property
     def metrics(self) -> Path:
