@@ -46,12 +46,7 @@ def dense_speed(w: Workload) -> float:
 
 def block_flops_split(spec: ArchSpec, block: BlockSpec, w: Workload) -> tuple[float, float]:
     """(dense, attention) forward FLOPs of one block."""
-    img, txt, h = spec.image_tokens(w), w.text_tokens, spec.hidden
-    if spec.family == "wan":
-        attention = 4 * img * img * h + 4 * img * txt * h
-    else:
-        attention = 4 * (img + txt) ** 2 * h
-    attention *= w.batch
+    attention = spec.attention_flops(w) * w.batch
     return spec.block_flops(block, w) - attention, attention
 
 

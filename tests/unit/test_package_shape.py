@@ -203,3 +203,92 @@ def test_only_the_run_layout_names_a_run_folders_files():
     offenders = [f"{p.relative_to(REPO)} {f}" for folder in (PACKAGE, REPO / "nodes") for p in sorted(folder.rglob("*.py"))
                  if p.name != "run_layout.py" for f in run_paths_built(p.read_text(encoding="utf-8"))]
     assert offenders == []
+
+
+# A model family's behaviour lives in its folder, ugpum/arch/<family>/: elsewhere the code asks the spec
+# (ArchSpec's members), never which family a model is. The timestep method "flux2" and the sampler schedule
+# "flux2" are settings users type, named after FLUX.2 but not a family: compared as `method` or `schedule`.
+SETTINGS_NAMED_LIKE_A_FAMILY = {"method", "schedule"}
+
+
+def _named(node: ast.AST) -> str | None:
+    """The name of a variable or attribute (`family` of `spec.family`), else None."""
+    if isinstance(node, ast.Name):
+        return node.id
+    return node.attr if isinstance(node, ast.Attribute) else None
+
+
+def _strings(node: ast.AST) -> set[str]:
+    """The string literals of a string, or of a tuple, list or set of literals."""
+    items = node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else [node]
+    return {i.value for i in items if isinstance(i, ast.Constant) and isinstance(i.value, str)}
+
+
+def family_branches(path: Path, families: set[str]) -> list[str]:
+    """Where `path` asks which family a model is: a comparison (==, !=, in, not in) of a family's name,
+    or of anything called `family` with a string; a dict literal or a match case keyed by a family's name."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            for op, a, b in zip(node.ops, sides, sides[1:]):
+                if not isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn)):
+                    continue
+                for x, y in ((a, b), (b, a)):
+                    if (_named(x) == "family" and _strings(y)) or \
+                            (_strings(x) & families and _named(y) not in SETTINGS_NAMED_LIKE_A_FAMILY):
+                        found.append(f"{path.name}:{node.lineno} compares a family")
+                        break
+        elif isinstance(node, ast.Dict) and families & {k.value for k in node.keys if isinstance(k, ast.Constant)}:
+            found.append(f"{path.name}:{node.lineno} a dict keyed by family")
+        elif isinstance(node, ast.MatchValue) and isinstance(node.value, ast.Constant) and node.value.value in families:
+            found.append(f"{path.name}:{node.lineno} a case for a family")
+    return sorted(set(found), key=lambda f: int(f.split(":")[1].split()[0]))
+
+
+def test_no_code_outside_arch_asks_which_family_a_model_is(tmp_path):
+    from ugpum.arch import FAMILIES
+    families = {f.name for f in FAMILIES}
+    assert families >= {"flux2", "wan"}
+    sample = tmp_path / "sample.py"
+    sample.write_text("\n".join([
+        'if spec.family == "wan": pass',                                  # 1: anything called family
+        'padded = pad(c) if "flux2" != kind else c',                      # 2: a family's name
+        'video = family in ("wan",)',                                     # 3
+        'STAGES = {"flux2": 1, "wan": 2}',                                # 4
+        'match name:',
+        '    case "wan": pass',                                           # 6
+        'fine = method in ("flux2", "flux2_shift") or schedule == "flux2"',   # the settings named after FLUX.2
+        'fine = spec.family + "/" + spec.id, CALIBRATION["host"][spec.family], spec.takes_clips',
+    ]) + "\n")
+    assert family_branches(sample, families) == ["sample.py:1 compares a family", "sample.py:2 compares a family",
+                                                 "sample.py:3 compares a family", "sample.py:4 a dict keyed by family",
+                                                 "sample.py:6 a case for a family"]
+    arch = PACKAGE / "arch"
+    outside = [p for p in sorted(PACKAGE.rglob("*.py")) + sorted((REPO / "nodes").rglob("*.py"))
+               if not p.is_relative_to(arch)]
+    assert [f for p in outside for f in family_branches(p, families)] == []
+
+
+def test_each_family_is_one_folder_the_registry_finds_with_every_member_the_code_asks_for():
+    import inspect
+    from ugpum.arch import FAMILIES, get_spec, model_ids
+    from ugpum.arch.base import ArchSpec
+    from ugpum.arch.stage import Stage
+    from ugpum.diffusion.flow import TIMESTEP_METHODS
+    folders = sorted(p.name for p in (PACKAGE / "arch").iterdir() if (p / "__init__.py").is_file())
+    assert [f.name for f in FAMILIES] == folders == sorted(folders) and "flux2" in folders and "wan" in folders
+    assert len(model_ids()) == len(set(model_ids()))                        # no id claimed by two families
+    asked = {name for name, member in vars(ArchSpec).items() if getattr(member, "__isabstractmethod__", False)}
+    assert {"takes_clips", "model_context", "sampler_model_fn", "stage_class", "attention_flops"} <= asked
+    for fam in FAMILIES:
+        own = f"ugpum.arch.{fam.name}."
+        cls = fam.spec_class
+        assert issubclass(cls, ArchSpec) and not inspect.isabstract(cls), (fam.name, cls.__abstractmethods__)
+        assert all(getattr(cls, name).__module__.startswith(own) for name in asked
+                   if callable(getattr(cls, name)) and not isinstance(getattr(cls, name), type)), fam.name
+        assert cls.__module__.startswith(own) and cls.stage_class.__module__.startswith(own)
+        assert issubclass(cls.stage_class, Stage) and cls.stage_class.every_stage_modules
+        assert cls.default_timesteps in TIMESTEP_METHODS and isinstance(cls.takes_clips, bool)
+        assert fam.ids and all(type(get_spec(i)) is cls and get_spec(i).family == fam.name for i in fam.ids)
+        assert fam.recognise({}, "") is None

@@ -1,14 +1,41 @@
-"""Model families the planner knows: look one up by id, or recognise it from a checkpoint header."""
+"""Model families the planner knows: look one up by id, or recognise it from a checkpoint header.
+
+Each family is one package here (ugpum/arch/<family>/) whose `FAMILY` (ugpum.arch.family.Family) names
+its ids, builds its specs and recognises its checkpoints; its spec class supplies everything the generic
+code asks of a model of that family (ArchSpec's abstract members). The registry finds the families
+from their folders alone: adding a family is adding a folder, holding
+
+  __init__.py   FAMILY = Family(name=<the folder's name>, title, marker, spec_class, ids, spec, recognise)
+  variants.py   the sizes the planner knows by id, and recognising one from a checkpoint's shapes
+  spec.py       the ArchSpec subclass: every abstract member of ArchSpec (tests/unit/test_package_shape.py
+                checks that each family supplies them all and that no code outside ugpum/arch/ asks
+                which family a model is)
+  stage.py      its pipeline stage for the distributed engine (a ugpum.arch.stage.Stage)
+
+Besides code, a family needs data keyed by its name: its measured cost coefficients in
+ugpum/calibration.json (bench/calibration_fit.py), training presets (ugpum/profiles.py) and model
+files (ugpum/models_catalog.py); and ComfyUI's model class, latent format and CLIP type for it where
+the command line builds ComfyUI's objects (the pack's bridge module, reached through
+ugpum/commands/bridge.py)."""
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from pathlib import Path
 
-from ..formats.safetensors_header import Header, check_file
-from . import flux2, wan
+from ..formats.safetensors_header import check_file
 from .base import ArchSpec, BlockSpec, LinearSpec, Workload
+from .family import Family
+from .header import strip_prefix, weight_dtype
 
-FAMILIES = (flux2, wan)
-PREFIXES = ("model.diffusion_model.", "diffusion_model.")
+
+def _find_families() -> tuple[Family, ...]:
+    """The `FAMILY` of every package in this folder, by folder name."""
+    packages = sorted(m.name for m in pkgutil.iter_modules(__path__) if m.ispkg)
+    return tuple(importlib.import_module(f"{__name__}.{name}").FAMILY for name in packages)
+
+
+FAMILIES = _find_families()
 
 
 class UnknownModel(ValueError):
@@ -16,32 +43,22 @@ class UnknownModel(ValueError):
 
 
 def model_ids() -> list[str]:
-    return [id for fam in FAMILIES for id in fam.VARIANTS]
+    return [id for fam in FAMILIES for id in fam.ids]
 
 
 def get_spec(model_id: str) -> ArchSpec:
     for fam in FAMILIES:
-        if model_id in fam.VARIANTS:
+        if model_id in fam.ids:
             return fam.spec(model_id)
     raise UnknownModel(f"unknown model id {model_id!r}; known: {', '.join(model_ids())}")
 
 
-def strip_prefix(shapes: dict[str, tuple[int, ...]]) -> tuple[dict[str, tuple[int, ...]], str]:
-    """Remove the key prefix ComfyUI checkpoints may carry; returns (shapes, prefix)."""
-    for prefix in PREFIXES:
-        if any(k.startswith(prefix) for k in shapes):
-            return {k[len(prefix):]: v for k, v in shapes.items() if k.startswith(prefix)}, prefix
-    return shapes, ""
-
-
-def weight_dtype(header: Header) -> str:
-    """The storage dtype of the block weights: 'fp8', 'bf16', 'fp16' or 'fp32'."""
-    counts: dict[str, int] = {}
-    for name, info in header.tensors.items():
-        if "blocks." in name and name.endswith(".weight") and len(info.shape) == 2:
-            counts[info.dtype] = counts.get(info.dtype, 0) + info.numel
-    top = max(counts, key=counts.get) if counts else "BF16"
-    return {"F8_E4M3": "fp8", "F8_E5M2": "fp8", "BF16": "bf16", "F16": "fp16", "F32": "fp32"}.get(top, "bf16")
+def family_named(name: str) -> Family:
+    """The family whose specs have `ArchSpec.family` == `name`."""
+    for fam in FAMILIES:
+        if fam.name == name:
+            return fam
+    raise UnknownModel(f"unknown model family {name!r}; known: {', '.join(f.name for f in FAMILIES)}")
 
 
 def recognise(path: str | Path) -> tuple[ArchSpec, str, str]:
@@ -53,9 +70,9 @@ def recognise(path: str | Path) -> tuple[ArchSpec, str, str]:
         spec = fam.recognise(shapes, Path(path).name)
         if spec is not None:
             return spec, prefix, weight_dtype(header)
-    raise UnknownModel(f"{path}: not a FLUX.2 or Wan 2.1 diffusion model "
-                       "(no double_stream_modulation_img or head.modulation tensor in its header)")
+    raise UnknownModel(f"{path}: not a {' or '.join(f.title for f in FAMILIES)} diffusion model "
+                       f"(no {' or '.join(f.marker for f in FAMILIES)} tensor in its header)")
 
 
-__all__ = ["ArchSpec", "BlockSpec", "LinearSpec", "Workload", "UnknownModel", "get_spec",
+__all__ = ["ArchSpec", "BlockSpec", "Family", "LinearSpec", "Workload", "UnknownModel", "family_named", "get_spec",
            "model_ids", "recognise", "strip_prefix"]

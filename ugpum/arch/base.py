@@ -1,6 +1,9 @@
-"""What the planner needs to know about a diffusion transformer, independent of any model code."""
+"""What the planner and the generic code need to know about a diffusion transformer, independent of any
+model code: its blocks and sizes (ArchSpec's fields, BlockSpec, LinearSpec), one training step's shape
+(Workload), and what each family supplies in its own folder (ArchSpec's abstract members)."""
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import InitVar, dataclass, field
 
 WEIGHT_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1, "fp32": 4}
@@ -63,9 +66,13 @@ class Workload:
 
 
 @dataclass(frozen=True)
-class ArchSpec:
+class ArchSpec(ABC):
+    """One model of a family. The fields are the model's sizes; the abstract members are what its family
+    supplies (ugpum/arch/<family>/spec.py, one subclass per family): the generic code (cost, objective,
+    sampling, stand-in encoders, the distributed engine) calls them instead of asking which family a
+    model is."""
     id: str
-    family: str                  # "flux2" or "wan"
+    family: str                  # the family's name (its folder in ugpum/arch/): "flux2" or "wan"
     title: str                   # modelspec architecture prefix, e.g. "Flux.2-klein-9b"
     hidden: int
     heads: int
@@ -92,49 +99,90 @@ class ArchSpec:
     def head_dim(self) -> int:
         return self.hidden // self.heads
 
-    def frames_error(self, frames: int) -> str:
-        """Why `frames` per sample cannot be trained on this model ('' when it can)."""
-        if self.family != "wan":
-            return "" if frames == 1 else f"{self.id} trains on images (frames 1); video frames need a Wan 2.1 model"
-        # Wan's VAE encodes the first frame alone and every next 4 into one latent frame
-        return "" if frames >= 1 and (frames - 1) % 4 == 0 else "Wan takes 4k+1 frames (1, 5, 17, 33, 81)"
-
-    # --- shapes of one step -------------------------------------------------------------------
-    def image_tokens(self, w: Workload) -> int:
-        if self.family == "wan":
-            return latent_frames(w.frames) * (w.height // 16) * (w.width // 16)  # 8x VAE, 2x2 patch
-        return (w.height // 16) * (w.width // 16)            # FLUX.2: 16x after 2x2 patchify
-
-    def stream_tokens(self, w: Workload) -> int:
-        """Tokens carried by the hidden state that crosses a block boundary."""
-        if self.family == "wan":
-            return self.image_tokens(w)                      # text is a shared input, not a stream
-        return self.image_tokens(w) + w.text_tokens
-
     def boundary_bytes(self, w: Workload) -> int:
         """Hidden state crossing one stage boundary in one direction (the gradient is as large)."""
         return w.batch * self.stream_tokens(w) * self.hidden * self.stream_bytes
 
-    def shared_input_bytes(self, w: Workload) -> int:
-        """Per-step inputs every block reads, copied once to each device (not per block)."""
-        t = self.stream_tokens(w)
-        rope = w.batch * t * self.head_dim * 2 * 4           # cos/sin tables in fp32
-        if self.family == "wan":
-            context = w.batch * w.text_tokens * self.hidden * ACT_BYTES
-            modulation = w.batch * 6 * self.hidden * 4
-            return rope + context + modulation
-        modulation = w.batch * (6 + 6 + 3) * self.hidden * 4  # double img/txt + single, fp32
-        return rope + modulation
-
     def block_flops(self, block: BlockSpec, w: Workload) -> float:
         """Forward FLOPs of one block: its matmuls plus attention."""
-        img, txt = self.image_tokens(w), w.text_tokens
-        if self.family == "wan":
-            dense = 2 * (6 * self.hidden ** 2 + 2 * self.hidden * self.ffn) * img
-            dense += 2 * 2 * self.hidden ** 2 * txt          # cross-attention k, v on the text
-            attention = 4 * img * img * self.hidden + 4 * img * txt * self.hidden
-        else:
-            t = img + txt
-            dense = 2 * block.params * t / (2 if block.kind == "double" else 1)
-            attention = 4 * t * t * self.hidden
-        return w.batch * (dense + attention)
+        return w.batch * (self.dense_flops(block, w) + self.attention_flops(w))
+
+    def latent_shape(self, width: int, height: int, frames: int = 1) -> tuple[int, ...]:
+        """The latent of one sample [1, C, (T,) h, w] as the DiT takes it (T for a family that takes clips)."""
+        time = (latent_frames(frames),) if self.takes_clips else ()
+        return (1, self.latent_channels, *time, height // self.latent_factor, width // self.latent_factor)
+
+    # --- what the family supplies: constants ----------------------------------------------------
+    # (a subclass sets each as a plain class attribute)
+    @property
+    @abstractmethod
+    def takes_clips(self) -> bool:
+        """Trains on video clips too: its latents carry a time axis [C, T, h, w] (T = 1 for an image)."""
+
+    @property
+    @abstractmethod
+    def default_timesteps(self) -> str:
+        """The timestep method the setting "auto" means (one of ugpum.diffusion.flow.TIMESTEP_METHODS)."""
+
+    @property
+    @abstractmethod
+    def latent_channels(self) -> int:
+        """Channels of the latent the DiT takes (after the VAE, and any patchifying the model expects)."""
+
+    @property
+    @abstractmethod
+    def latent_factor(self) -> int:
+        """Pixels per latent pixel along each side."""
+
+    @property
+    @abstractmethod
+    def stage_class(self) -> type:
+        """The pipeline stage module of this family (a ugpum.arch.stage.Stage) for the distributed engine."""
+
+    # --- what the family supplies: shapes and sizes of one step ---------------------------------
+    @abstractmethod
+    def frames_error(self, frames: int) -> str:
+        """Why `frames` per sample cannot be trained on this model ('' when it can)."""
+
+    @abstractmethod
+    def image_tokens(self, w: Workload) -> int:
+        """Image tokens of one sample."""
+
+    @abstractmethod
+    def stream_tokens(self, w: Workload) -> int:
+        """Tokens carried by the hidden state that crosses a block boundary."""
+
+    @abstractmethod
+    def shared_input_bytes(self, w: Workload) -> int:
+        """Per-step inputs every block reads, copied once to each device (not per block)."""
+
+    @abstractmethod
+    def dense_flops(self, block: BlockSpec, w: Workload) -> float:
+        """Forward FLOPs of one block's matmuls for one sample."""
+
+    @abstractmethod
+    def attention_flops(self, w: Workload) -> int:
+        """Forward FLOPs of one block's attention for one sample (the cost model times it apart)."""
+
+    @abstractmethod
+    def every_stage_params(self) -> int:
+        """Parameters each pipeline stage after the first also holds: the small embedders its stage
+        module recomputes the timestep's modulation (and any shared text input) with."""
+
+    # --- what the family supplies: the model's inputs and outputs -------------------------------
+    @abstractmethod
+    def latent_tokens(self, latent_shape: tuple[int, ...]) -> int:
+        """Image tokens of one cached latent (its shape without the batch axis)."""
+
+    @abstractmethod
+    def model_context(self, context):
+        """A caption's text context [L, C] as the model takes it: [1, L', C]."""
+
+    @abstractmethod
+    def sampling_defaults(self):
+        """Steps, CFG and guidance a preview samples with (a ugpum.diffusion.flow_sampler.SamplingDefaults)."""
+
+    @abstractmethod
+    def sampler_model_fn(self, model, guidance: float | None):
+        """ComfyUI's model wrapped for the sampler (a ugpum.diffusion.flow_sampler.ModelFn); `guidance`:
+        the guidance-embedding input of a model that has one, else None."""

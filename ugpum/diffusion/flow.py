@@ -16,13 +16,14 @@ import torch
 #   flux2         logit-normal, shifted by BFL's empirical FLUX.2 mu (the sampling shift; 2.02 at 1024²)
 #   uniform, logit_normal (= sigmoid), shift (fixed `shift`)
 TIMESTEP_METHODS = ("flux2_shift", "flux2", "uniform", "logit_normal", "sigmoid", "shift")
-# "auto" (the default setting): each family's usual choice (Wan: shift 3.0, as musubi-tuner trains Wan)
-FAMILY_TIMESTEPS = {"flux2": "flux2_shift", "wan": "shift"}
 
 
-def timestep_method(setting: str, family: str) -> str:
-    """The method a run uses: the setting, or for "auto" the family's usual one."""
-    return FAMILY_TIMESTEPS[family] if setting == "auto" else setting
+def timestep_method(setting: str, usual: str) -> str:
+    """The method a run uses: the setting, or for "auto" (the default setting) `usual`, the model
+    family's usual choice (ArchSpec.default_timesteps; Wan: shift 3.0, as musubi-tuner trains Wan)."""
+    return usual if setting == "auto" else setting
+
+
 LOSS_WEIGHTINGS = ("none", "sigma_sqrt", "cosmap")
 
 

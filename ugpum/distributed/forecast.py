@@ -68,18 +68,10 @@ def distributed_plan(spec, devices: list[Device], w, per_replica: int, schedule:
     return plan
 
 
-def every_stage_params(spec) -> int:
-    """Parameters each stage after the first also holds: the small embedders it recomputes the
-    timestep's modulation (and Wan's text embedding) with (`ugpum.distributed.stages`)."""
-    h = spec.hidden
-    if spec.family == "flux2":
-        return 256 * h + h * h + (6 + 6 + 3) * h * h + (256 * h + h * h if spec.guidance else 0)
-    return 256 * h + h * h + 6 * h * h + spec.context_dim * h + h * h          # Wan: time, projection, text
-
-
 def every_stage_bytes(spec, w) -> int:
-    """Bytes of `every_stage_params` in the run's weight dtype."""
-    return int(every_stage_params(spec) * WEIGHT_BYTES[w.weight_dtype])
+    """Bytes each stage after the first also holds, in the run's weight dtype: the small embedders it
+    recomputes the timestep's modulation (and Wan's text embedding) with (ArchSpec.every_stage_params)."""
+    return int(spec.every_stage_params() * WEIGHT_BYTES[w.weight_dtype])
 
 
 @dataclass

@@ -31,10 +31,7 @@ class StandInEncoders:
 
     def __init__(self, spec: ArchSpec, text_tokens: int = 16, seed: int = 1234):
         self.spec, self.text_tokens = spec, text_tokens
-        if spec.family == "wan":
-            self.factor, self.channels = 8, 16             # Wan VAE: 16 channels at /8
-        else:
-            self.factor, self.channels = 16, 128           # FLUX.2: 128 channels at /16 (2x2 patchified)
+        self.factor, self.channels = spec.latent_factor, spec.latent_channels    # the family's latent
         g = torch.Generator().manual_seed(seed)
         pixels = 3 * self.factor ** 2
         q, _ = torch.linalg.qr(torch.randn(pixels, self.channels, generator=g, dtype=torch.float64))
@@ -45,12 +42,12 @@ class StandInEncoders:
     def encode_images(self, pixels: torch.Tensor) -> torch.Tensor:
         z = F.pixel_unshuffle(pixels.float(), self.factor)              # [B, 3f², h, w]
         z = torch.einsum("bphw,pc->bchw", z, self.project) * 2.0
-        return z.unsqueeze(2) if self.spec.family == "wan" else z      # Wan latents have a time axis
+        return z.unsqueeze(2) if self.spec.takes_clips else z          # a clip family's latents have a time axis
 
     def encode_video(self, frames: torch.Tensor) -> torch.Tensor:
         """Wan's time compression in miniature: latent frame 0 from frame 0 alone, each later latent
         frame from the mean of the next four frames (so T' = 1 + (T - 1) / 4, as with the real VAE)."""
-        if self.spec.family != "wan" or (frames.shape[0] - 1) % 4:
+        if not self.spec.takes_clips or (frames.shape[0] - 1) % 4:
             raise ValueError(f"stand-in video encoding is Wan's: 4k+1 frames, got {frames.shape[0]} "
                              f"for {self.spec.family}")
         groups = [frames[:1]] + [frames[i:i + 4] for i in range(1, frames.shape[0], 4)]

@@ -22,6 +22,7 @@ import math
 import tomllib
 from pathlib import Path
 
+from ..arch import family_named
 from ..arch.base import WAN_FPS
 from ..folders import read_fix, read_reason
 from .dataset import (DatasetError, ImageItem, Resolution, _check_bool, _check_caption_ext, _check_positive_int,
@@ -171,7 +172,7 @@ def _directory(settings: dict, key: str, where: str) -> str:
 def _video_dataset(path: Path, settings: dict, where: str, common: dict, family: str, frames: int,
                    stride: int) -> list[ImageItem]:
     from .video import check_frames, clip_items
-    if family != "wan":
+    if not family_named(family).takes_clips:
         raise DatasetError(f"{where}: video_directory trains Wan 2.1 models only; this run's model is "
                            f"{family}: use a Wan 2.1 model, or an image_directory")
     folder = path.parent / _directory(settings, "video_directory", where)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import torch
 
 from ..diffusion.flow import flow_loss, noisy, sample_timesteps, timestep_method
-from ..diffusion.flow_sampler import pad_flux2_context
 from ..dtypes import bf16_autocast
 
 TRAINING_GUIDANCE = 1.0     # guidance-distilled models train at 1.0, as musubi-tuner trains them
@@ -14,8 +13,8 @@ VALIDATION_T = (0.25, 0.5, 0.75)
 
 
 def model_context(spec, context: torch.Tensor) -> torch.Tensor:
-    """[1, L, C] text context as ComfyUI feeds it: FLUX.2 pads it to 512 tokens (zeros in front)."""
-    return pad_flux2_context(context[None]) if spec.family == "flux2" else context[None]
+    """[1, L, C] text context as ComfyUI feeds it (the family's: FLUX.2 pads it to 512 tokens, zeros in front)."""
+    return spec.model_context(context)
 
 
 def training_guidance(spec, setting: float | None) -> float | None:
@@ -23,14 +22,6 @@ def training_guidance(spec, setting: float | None) -> float | None:
     if not spec.guidance:
         return None
     return TRAINING_GUIDANCE if setting is None else float(setting)
-
-
-def image_tokens(spec, latent_shape) -> int:
-    """Image tokens of one latent: FLUX.2 [C, h, w] at one token per latent pixel (2x2 patchified
-    already); Wan [C, T, h, w] in 2x2 patches per latent frame."""
-    if spec.family == "wan":
-        return latent_shape[-3] * (latent_shape[-2] // 2) * (latent_shape[-1] // 2)
-    return latent_shape[-2] * latent_shape[-1]
 
 
 def model_inputs(cfg, spec, x0, noise, t, context, device) -> dict:
@@ -64,8 +55,8 @@ def micro_batch_inputs(cfg, spec, latents: list[torch.Tensor], contexts: list[to
     g = torch.Generator().manual_seed((cfg.seed * 7_919 + k) % 2**63)
     x0 = torch.stack([latent.float() for latent in latents])
     noise = torch.randn(x0.shape, generator=g)
-    t = sample_timesteps(len(latents), timestep_method(cfg.timesteps, spec.family), g, shift=cfg.shift,
-                         image_seq_len=image_tokens(spec, latents[0].shape))   # per bucket: its own tokens
+    t = sample_timesteps(len(latents), timestep_method(cfg.timesteps, spec.default_timesteps), g, shift=cfg.shift,
+                         image_seq_len=spec.latent_tokens(latents[0].shape))   # per bucket: its own tokens
     context = torch.cat([model_context(spec, c) for c in contexts])
     return x0, noise, t, context
 

@@ -20,6 +20,7 @@ from typing import Iterator
 import torch
 from PIL import Image
 
+from ..arch import family_named
 from ..folders import read_fix, read_reason
 from .dataset import (DatasetError, ImageItem, Resolution, _check_positive_int, _with_trigger, bucket_for,
                       caption_for, checked_folder_settings, fit_to_bucket, fixed_bucket, image_size, list_pictures,
@@ -266,10 +267,10 @@ def clip_items(
 
 def load_folder(folder: Path | str, family: str, frames: int = 1, stride: int = 1, resolution: Resolution = 1024,
                 repeats: int = 1, trigger: str = "") -> list[ImageItem]:
-    """A dataset folder for a model family: clips (Wan only) when it holds any, else images."""
+    """A dataset folder for a model family: clips (a family that takes them: Wan) when it holds any, else images."""
     folder = Path(folder)
     if folder_has_clips(folder):
-        if family != "wan":
+        if not family_named(family).takes_clips:
             clip = list_clips(folder)[0]
             raise DatasetError(f"dataset folder {folder} holds video clips ({clip.name}, ...), but FLUX.2 models "
                                "train on images only; train clips on a Wan 2.1 model, or use a folder of images")

@@ -1,15 +1,13 @@
-"""Wan 2.1 text-to-video DiTs (1.3B, 14B) in ComfyUI's module layout (`comfy.ldm.wan.model`).
-
-Figures from DESIGN.md §4: 14B has dim 5120, 40 blocks, 40 heads, FFN 13824, umT5-XXL text (4096).
-"""
+"""The Wan 2.1 text-to-video models (1.3B, 14B) the planner knows by id, and any other Wan size
+recognised from a checkpoint's header: their blocks and sizes in ComfyUI's module layout."""
 from __future__ import annotations
 
-from .base import ArchSpec, BlockSpec, LinearSpec
-from .flux2 import _count
+from ..base import BlockSpec, LinearSpec
+from ..header import count_blocks
+from .spec import FREQ_DIM, MODULATIONS, WanSpec
 
-FAMILY = "wan"
+NAME = "wan"
 TEXT_DIM = 4096
-FREQ_DIM = 256
 
 # id: (dim, blocks, ffn, text dim, head dim, title)
 VARIANTS = {
@@ -25,7 +23,7 @@ def _linears(d: int, f: int) -> tuple[LinearSpec, ...]:
 
 
 def make_spec(id: str, dim: int, blocks: int, ffn: int, text_dim: int, head_dim: int, title: str,
-              in_dim: int = 16, notes: tuple[str, ...] = ()) -> ArchSpec:
+              in_dim: int = 16, notes: tuple[str, ...] = ()) -> WanSpec:
     lin = _linears(dim, ffn)
     weights = sum(l.in_features * l.out_features for l in lin)
     biases = sum(l.out_features for l in lin)
@@ -33,24 +31,25 @@ def make_spec(id: str, dim: int, blocks: int, ffn: int, text_dim: int, head_dim:
     block_params = weights + biases + norms + 6 * dim         # + per-block modulation table
     specs = tuple(BlockSpec(f"blocks.{i}", "wan", block_params, lin) for i in range(blocks))
     patch = in_dim * 4 * dim + dim                            # Conv3d with a (1, 2, 2) kernel
-    head = patch + (text_dim * dim + dim * dim) + (FREQ_DIM * dim + dim * dim) + dim * 6 * dim
+    head = patch + (text_dim * dim + dim * dim) + (FREQ_DIM * dim + dim * dim) + dim * MODULATIONS * dim
     tail = dim * 4 * in_dim + 2 * dim                         # head.head + head.modulation
-    return ArchSpec(id=id, family=FAMILY, title=title, hidden=dim, heads=dim // head_dim, blocks=specs,
-                    head_params=head, tail_params=tail, context_dim=text_dim, ffn=ffn, tail_modules=("head",),
-                    timestep_scale=1000.0, stream_bytes=4, notes=notes)
+    return WanSpec(id=id, family=NAME, title=title, hidden=dim, heads=dim // head_dim, blocks=specs,
+                   head_params=head, tail_params=tail, context_dim=text_dim, ffn=ffn, tail_modules=("head",),
+                   timestep_scale=1000.0, stream_bytes=4, notes=notes)
 
 
-def spec(id: str) -> ArchSpec:
+def spec(id: str) -> WanSpec:
     dim, blocks, ffn, text_dim, head_dim, title = VARIANTS[id]
     return make_spec(id, dim, blocks, ffn, text_dim, head_dim, title)
 
 
-def recognise(shapes: dict[str, tuple[int, ...]], filename: str = "") -> ArchSpec | None:
+def recognise(shapes: dict[str, tuple[int, ...]], filename: str = "") -> WanSpec | None:
+    """Wan 2.1 from its state-dict shapes (prefix already stripped), or None if not Wan."""
     if "head.modulation" not in shapes or "blocks.0.ffn.0.weight" not in shapes:
         return None
     dim = shapes["head.modulation"][-1]
     ffn = shapes["blocks.0.ffn.0.weight"][0]
-    blocks = _count(shapes, "blocks.")
+    blocks = count_blocks(shapes, "blocks.")
     text_dim = shapes["text_embedding.0.weight"][1]
     in_dim = shapes["patch_embedding.weight"][1]
     head_dim = 128 if dim % 128 == 0 else VARIANTS["tiny-wan"][4]  # ComfyUI: heads = dim // 128

@@ -1,20 +1,14 @@
-"""FLUX.2 ([klein] 4B/9B, base and distilled, and [dev]) in ComfyUI's module layout.
-
-Figures from DESIGN.md §4: hidden = heads x 128, SwiGLU MLP ratio 3, no biases, modulation computed
-once per step by three top-level modules and shared by all blocks.
-
-[dev] differs from [klein] beyond its size in one module: `guidance_in`, an embedder for the distilled
-guidance scale (added to the timestep embedding). Its presence in a header is what tells a dev-like
-file from a klein-like one; a model that has it must be given `guidance=` in every forward, or ComfyUI
-silently skips the embedding.
-"""
+"""The FLUX.2 models ([klein] 4B/9B, base and distilled, and [dev]) the planner knows by id, and any
+other FLUX.2 size recognised from a checkpoint's header: their blocks and sizes in ComfyUI's module
+layout."""
 from __future__ import annotations
 
-from .base import ArchSpec, BlockSpec, LinearSpec
+from ..base import BlockSpec, LinearSpec
+from ..header import count_blocks
+from .spec import MODULATIONS, TIME_DIM, Flux2Spec
 
-FAMILY = "flux2"
+NAME = "flux2"
 MLP_RATIO = 3
-TIME_DIM = 256
 
 # id: (hidden, double blocks, single blocks, context dim, guidance embedding, distilled, title)
 VARIANTS = {
@@ -49,7 +43,7 @@ def _single_linears(h: int) -> tuple[LinearSpec, ...]:
 
 
 def make_spec(id: str, hidden: int, double: int, single: int, context_dim: int, guidance: bool,
-              distilled: bool, title: str, head_dim: int = 128, notes: tuple[str, ...] = ()) -> ArchSpec:
+              distilled: bool, title: str, head_dim: int = 128, notes: tuple[str, ...] = ()) -> Flux2Spec:
     h = hidden
     qk_norm = 2 * head_dim                                   # query/key RMSNorm scales per attention
     dl, sl = _double_linears(h), _single_linears(h)
@@ -59,29 +53,29 @@ def make_spec(id: str, hidden: int, double: int, single: int, context_dim: int, 
     blocks += tuple(BlockSpec(f"single_blocks.{i}", "single", single_params, sl) for i in range(single))
     in_channels = 128
     embed = TIME_DIM * h + h * h                              # time_in (an MLP embedder)
-    head = in_channels * h + context_dim * h + embed + (6 + 6 + 3) * h * h  # img_in, txt_in, modulations
+    head = in_channels * h + context_dim * h + embed + MODULATIONS * h * h  # img_in, txt_in, modulations
     if guidance:
         head += embed
     tail = h * 2 * h + h * in_channels                        # final_layer: adaLN + linear
-    return ArchSpec(id=id, family=FAMILY, title=title, hidden=h, heads=h // head_dim, blocks=blocks,
-                    head_params=head, tail_params=tail, context_dim=context_dim, guidance=guidance,
-                    distilled=distilled, tail_modules=("final_layer",), notes=notes)
+    return Flux2Spec(id=id, family=NAME, title=title, hidden=h, heads=h // head_dim, blocks=blocks,
+                     head_params=head, tail_params=tail, context_dim=context_dim, guidance=guidance,
+                     distilled=distilled, tail_modules=("final_layer",), notes=notes)
 
 
-def spec(id: str) -> ArchSpec:
+def spec(id: str) -> Flux2Spec:
     hidden, double, single, ctx, guidance, distilled, title = VARIANTS[id]
     head_dim = TINY_HEAD_DIM if id.startswith("tiny") else 128
     return make_spec(id, hidden, double, single, ctx, guidance, distilled, title, head_dim)
 
 
-def recognise(shapes: dict[str, tuple[int, ...]], filename: str = "") -> ArchSpec | None:
+def recognise(shapes: dict[str, tuple[int, ...]], filename: str = "") -> Flux2Spec | None:
     """FLUX.2 from its state-dict shapes (prefix already stripped), or None if not FLUX.2."""
     if "double_stream_modulation_img.lin.weight" not in shapes or "img_in.weight" not in shapes:
         return None
     hidden = shapes["img_in.weight"][0]
     context_dim = shapes["txt_in.weight"][1]
-    double = _count(shapes, "double_blocks.")
-    single = _count(shapes, "single_blocks.")
+    double = count_blocks(shapes, "double_blocks.")
+    single = count_blocks(shapes, "single_blocks.")
     guidance = any(k.startswith("guidance_in.") for k in shapes)
     query_norm = "double_blocks.0.img_attn.norm.query_norm."         # files: .scale; ComfyUI 0.33: .weight
     head_dim = (shapes.get(query_norm + "scale") or shapes.get(query_norm + "weight") or (128,))[0]
@@ -93,8 +87,3 @@ def recognise(shapes: dict[str, tuple[int, ...]], filename: str = "") -> ArchSpe
             return make_spec(id, h, d, s, c, g, distilled, title, head_dim)
     return make_spec("flux2-custom", hidden, double, single, context_dim, guidance, not guidance,
                      "Flux.2-custom", head_dim, notes=("unknown FLUX.2 size: planned from its shapes",))
-
-
-def _count(shapes: dict, prefix: str) -> int:
-    idx = {int(k[len(prefix):].split(".")[0]) for k in shapes if k.startswith(prefix)}
-    return max(idx) + 1 if idx else 0
