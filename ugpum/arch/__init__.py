@@ -4,6 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..formats.safetensors_header import Header, check_file
+from ..wording import EngineError
 from . import flux2, wan
 from .base import ArchSpec, BlockSpec, LinearSpec, Workload
 
@@ -11,7 +12,7 @@ FAMILIES = (flux2, wan)
 PREFIXES = ("model.diffusion_model.", "diffusion_model.")
 
 
-class UnknownModel(ValueError):
+class UnknownModel(ValueError, EngineError):
     pass
 
 
