@@ -59,14 +59,15 @@ _NODE_INPUTS = {"weight_dtype": ("weight_dtype", "UGPUM Loader"), "devices": ("d
                 "frames": ("frames", "Partition Planner"), "schedule": ("schedule", "Partition Planner"),
                 "base_compute": ("base compute", "Partition Planner"), "steps": ("steps", "LoRA Trainer"),
                 "compile": ("compile", "LoRA Trainer")}
-# what the nodes say for settings they hold otherwise, or not at all: (without a value, with one)
+# What the nodes say for a setting they hold otherwise, or not at all (the same with a value or without,
+# unless a pair: (without a value, with one)).
 _NODE_WORDS = {
-    # the trainer's Boolean input; the run is the save name's (the folder, the value, is implied)
+    # the trainer's Boolean input; the run folder (the value) is the save name's
     "resume": ("resume on the LoRA Trainer", "resume on the LoRA Trainer (same save name)"),
     # the trainer never replaces an earlier run
-    "overwrite": ("not on the LoRA Trainer, which keeps every run: give a new save name",) * 2,
-    # one ComfyUI process trains; a distributed run is started from the command line under torchrun
-    "distributed": ("the command line's distributed mode",) * 2,
+    "overwrite": "not on the LoRA Trainer, which keeps every run: give a new save name",
+    # one ComfyUI process trains; a distributed run starts from the command line under torchrun
+    "distributed": "the command line's distributed mode",
 }
 
 
@@ -96,10 +97,12 @@ def for_cli(text: str, verb: str = "plan") -> str:
 
 
 def for_nodes(text: str) -> str:
-    """Marks as the input on the node that holds it: `weight_dtype = fp8 on the UGPUM Loader`."""
+    """Marks as the input on the node that holds it: `weight_dtype = fp8 on the UGPUM Loader`; a setting
+    the nodes hold otherwise (resume), or not at all (overwrite), as what they offer instead."""
     def word(name, value):
         if name in _NODE_WORDS:
-            return _NODE_WORDS[name][value is not None]
+            words = _NODE_WORDS[name]
+            return words if isinstance(words, str) else words[value is not None]
         field, node = _NODE_INPUTS.get(name, (name, "node"))
         value = _FLAG_VALUES.get((name, value), value)
         return f"{field} on the {node}" if value is None else f"{field} = {value} on the {node}"
