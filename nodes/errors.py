@@ -1,7 +1,7 @@
 """Turn what ugpum raises into one sentence a ComfyUI user can act on (never a bare traceback).
 
-Only the exceptions ugpum raises on purpose are translated; anything else is a bug and keeps its
-traceback. ComfyUI's own interruption (Cancel) passes through untouched.
+Only the exceptions ugpum raises on purpose are translated (its EngineErrors, the settings they mark
+worded as the nodes' inputs, and a few builtin ones); anything else is a bug and keeps its traceback. ComfyUI's own interruption (Cancel) passes through untouched.
 """
 from __future__ import annotations
 
@@ -11,9 +11,8 @@ import re
 
 from ugpum.arch import UnknownModel
 from ugpum.devices import DeviceError
-from ugpum.plan import PlanError
 from ugpum.formats.safetensors_header import HeaderError
-from ugpum.wording import for_nodes
+from ugpum.wording import EngineError, for_nodes
 
 
 class UGPUMError(RuntimeError):
@@ -48,11 +47,9 @@ def user_message(exc: BaseException, file_name: str | None = None) -> str | None
     if isinstance(exc, UnknownModel):
         return _sentence(f"{what} is not a diffusion model UGPUM can train "
                          f"({_without_path(str(exc))}); it supports FLUX.2 [klein]/[dev] and Wan 2.1")
-    if isinstance(exc, PlanError):
-        return _sentence(str(exc))
     if isinstance(exc, DeviceError):              # devices are typed in the Loader's devices field
         return _sentence(f"{exc} (the UGPUM Loader's devices field)")
-    if isinstance(exc, _optional("ugpum.formats.disk_space", "DiskFull")):   # a full disk: space needed and free
+    if isinstance(exc, EngineError):              # the engine's own sentence (a full disk: space needed and free)
         return _sentence(str(exc))
     if isinstance(exc, OSError) and exc.errno in (errno.EACCES, errno.EROFS, errno.ENAMETOOLONG) and exc.filename:
         from ugpum.folders import shown_path
@@ -65,10 +62,6 @@ def user_message(exc: BaseException, file_name: str | None = None) -> str | None
         return _sentence(f"A GPU ran out of memory ({first[:200]}); lower the resolution, batch or "
                          "LoRA rank, set recompute = all on the Partition Planner, or add a GPU, then run the "
                          "Partition Planner again")
-    if isinstance(exc, _optional("ugpum.train.dataset", "DatasetError")
-                  + _optional("ugpum.formats.lora_file", "LoraFileError")
-                  + _optional("ugpum.train.loop", "TrainingError")):
-        return _sentence(str(exc))
     if isinstance(exc, ValueError) and _raised_in_ugpum(exc):   # ugpum validates with a sentence
         return _sentence(str(exc))
     return None

@@ -76,7 +76,7 @@ class UGPUMLoader(io.ComfyNode):
 def companion_files_hint(model_id: str) -> str | None:
     """For a known model: which of its text encoder and VAE files ComfyUI's folders lack, and the
     command that fetches them (the DiT itself was just picked from the list, so it is present)."""
-    from ugpum.models_catalog import MODELS, download_command
+    from ugpum.models_catalog import MODELS
     entry = MODELS.get(model_id)
     if entry is None:
         return None
@@ -85,4 +85,6 @@ def companion_files_hint(model_id: str) -> str | None:
     if not missing:
         return None
     names = ", ".join(f"{f.folder}/{f.filename}" for f in missing)
-    return f"Also needed for training and previews: {names}. Get them with: {download_command(model_id)}"
+    # the nodes download nothing: the command line's download verb does, run from this pack's folder
+    command = f"python -m ugpum download {model_id} --models <ComfyUI>/models"
+    return f"Also needed for training and previews: {names}. Get them with: {command}"

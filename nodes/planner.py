@@ -11,6 +11,7 @@ from ugpum.dtypes import training_dtype
 from ugpum.forecast import format_plan, plan_for_config
 from ugpum.schedules import SETTINGS as SCHEDULE_SETTINGS
 from ugpum.train.config import load_config
+from ugpum.wording import for_nodes
 
 from .errors import UGPUMError, user_errors
 from .types import UGPUM_MODEL, UGPUM_PLAN, UGPUMModel, UGPUMPlan
@@ -112,6 +113,6 @@ class PartitionPlanner(io.ComfyNode):
             devices = resolve_devices(config.devices, model.spec)
             split = parse_split(manual_split or "", len(devices), len(model.spec.blocks))
             plan = plan_for_config(config, devices, split=split, spec=model.spec)
-        report = format_plan(plan)
+        report = for_nodes(format_plan(plan))           # its advice as the nodes' inputs
         result = UGPUMPlan(model=model, plan=plan, devices=tuple(devices), config=config, report=report)
         return io.NodeOutput(result, report, ui=ui.PreviewText(report))

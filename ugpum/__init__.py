@@ -8,6 +8,8 @@ What a library user calls:
     plan = plan_training(spec, devices, Workload(width=1024, height=1024), grad_accum=4)
     print(format_plan(plan))
     result = train(load_config("klein-9b-1024", overrides={...}), "out/", model=..., encoders=...)
+Every error raised on purpose is an `EngineError`; messages mark the settings they advise, which
+`ugpum.wording.plain` words as the settings' names (`log=lambda text: print(plain(text))`).
 """
 from .startup import stops_while_starting as _stops_while_starting
 
@@ -20,7 +22,8 @@ with _stops_while_starting():       # the command line's imports: a stop is one 
     from .train.config import ConfigError, TrainConfig, load_config
     from .train.loop import TrainResult, train
     from .lora import attach_lora
+    from .wording import EngineError
 
-__all__ = ["ConfigError", "Device", "DeviceError", "Plan", "PlanError", "TrainConfig", "TrainResult", "UnknownModel",
-           "Workload", "attach_lora", "format_plan", "get_spec", "load_config", "make_plan", "parse_device_specs",
+__all__ = ["ConfigError", "Device", "DeviceError", "EngineError", "Plan", "PlanError", "TrainConfig", "TrainResult",
+           "UnknownModel", "Workload", "attach_lora", "format_plan", "get_spec", "load_config", "make_plan", "parse_device_specs",
            "place", "place_by_plan", "plan_training", "recognise", "resolve_devices", "train"]

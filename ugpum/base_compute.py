@@ -23,6 +23,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .wording import EngineError
+
 __all__ = ["MODES", "SETTINGS", "use_8bit_base", "QuantiseAsLoaded", "quantise_weight",
            "quantise_rows", "supports", "check_devices", "eight_bit_mode", "QUALITY_CHECK", "BaseComputeError"]
 
@@ -37,7 +39,7 @@ FP8_MAX = 448.0
 INT8_MAX = 127.0
 
 
-class BaseComputeError(RuntimeError):
+class BaseComputeError(RuntimeError, EngineError):
     pass
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Callable
 
 from .formats.atomic import honour_umask
+from .wording import EngineError
 
 log = logging.getLogger(__name__)
 
@@ -224,7 +225,7 @@ def parse_device_specs(specs: list[str], probe: bool = True) -> list[Device]:
 CPU_TRAINABLE_PARAMS = 100_000_000
 
 
-class DeviceError(ValueError):
+class DeviceError(ValueError, EngineError):
     """The devices asked for cannot run the request; the message says what would."""
 
 

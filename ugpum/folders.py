@@ -7,13 +7,15 @@ import errno
 import os
 from pathlib import Path
 
+from .wording import EngineError
+
 # The deepest a run writes below its folder: a cached feature's temporary file
 # (cache/latents/.<40 hex>.safetensors.<pid>-<12 hex>.tmp), a checkpoint's files, a LoRA whose name takes
 # the 255 bytes a file name may.
 RUN_FOLDER_DEPTH = 300
 
 
-class FolderError(ValueError):
+class FolderError(ValueError, EngineError):
     """A folder cannot be made or written; the message names it, the setting and the fix."""
 
 

@@ -2,7 +2,8 @@
 node, `demo` and `doctor` all make through `plan_for_config` and print through `format_plan`, so the
 same settings give the same numbers everywhere; every speed line says what it assumes (compiled or
 eager blocks, weights and base compute, micro-batches and batch). Also the typical rigs shown to a
-machine without a GPU."""
+machine without a GPU. The text marks the settings it advises (ugpum/wording.py): whoever shows it words
+them."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,7 +12,6 @@ from .arch import get_spec
 from .arch.base import latent_frames
 from .devices import Device, parse_device_specs, resolve_devices, with_desktop
 from .plan import GIB, Plan, PlanError, alternatives_text, plan_training
-from .wording import for_cli
 
 # What a machine without a GPU is shown instead: the most common cards first.
 TYPICAL_RIGS = (("1x RTX 4090 (24 GiB, PCIe 4 x16)", ["rtx4090"]),
@@ -135,6 +135,6 @@ def plan_report(cfg, profile: str = "") -> str:
         try:
             text = format_plan(plan_for_config(cfg, devices))
         except PlanError as e:
-            text = f"does not fit: {for_cli(str(e))}"       # (the demo's report: worded as `plan` words it)
+            text = f"does not fit: {e}"
         parts.append(f"=== {name} on {title} ===\n{text}\n")
     return "\n".join(parts)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .profiles import PROFILES as TRAIN_PROFILES
+from .wording import EngineError
 
 HF = "https://huggingface.co"
 
@@ -135,7 +136,6 @@ class Profile:
     width: int
     height: int
     frames: int = 1
-    note: str = ""
 
     def workload(self, **overrides):
         from .arch.base import Workload
@@ -145,7 +145,7 @@ class Profile:
         return Workload(**values)
 
 
-class UnknownName(ValueError):
+class UnknownName(ValueError, EngineError):
     pass
 
 
@@ -298,8 +298,7 @@ def _profiles() -> dict[str, Profile]:
         if values.get("model") in MODELS:
             res = values["resolution"]
             out[name] = Profile(name, values["model"], values["weight_dtype"], res, res,
-                                values.get("frames", 1),          # (images: one frame)
-                                note=f"training profile (python -m ugpum train --profile {name})")
+                                values.get("frames", 1))          # (images: one frame)
     return out
 
 
@@ -396,25 +395,3 @@ def file_problem(path: Path) -> str | None:
         return str(err).removeprefix(f"{path}: ").split("; ")[0]
     return None
 
-
-def missing_hint(model_id: str, present_names, dtype: str | None = None,
-                 models_dir: str | Path | None = None) -> str | None:
-    """None when a model's DiT (default dtype unless given), text encoder and VAE are all among
-    `present_names` (ComfyUI file names, e.g. from its loaders' lists); else one sentence naming the
-    missing files and the command that fetches them. For the UGPUM Loader's file list."""
-    entry = MODELS[model_id]
-    present = set(present_names)
-    missing = [f for f in entry.files(dtype) if f.filename not in present]
-    if not missing:
-        return None
-    names_ = ", ".join(f"{f.folder}/{f.filename}" for f in missing)
-    return (f"{entry.title}: missing {names_}; get them with "
-            f"{download_command(model_id, models_dir, dtype)}")
-
-
-def download_command(name: str, models_dir: str | Path | None = None, dtype: str | None = None) -> str:
-    """The shell command that fetches a profile's or model's files."""
-    cmd = f"python -m ugpum download {name}"
-    if dtype:
-        cmd += f" --dtype {dtype}"
-    return cmd + (f" --models {models_dir}" if models_dir else " --models <ComfyUI>/models")

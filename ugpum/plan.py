@@ -10,7 +10,7 @@ from . import cost
 from .arch.base import ACT_BYTES, WEIGHT_BYTES, ArchSpec, Workload
 from .devices import Device, gpu_to_gpu_gbps, host_memory, speed_assumed
 from .schedules import best_schedule, in_flight as held_in_flight
-from .wording import setting
+from .wording import EngineError, setting
 
 GIB = cost.GIB
 MIB = 1024 ** 2
@@ -26,7 +26,7 @@ HEADROOM = 0.03
 MAX_MICRO_BATCHES = 8
 
 
-class PlanError(ValueError):
+class PlanError(ValueError, EngineError):
     """The request cannot be planned; the message says what is missing and what would fit."""
 
 

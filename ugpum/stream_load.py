@@ -21,6 +21,7 @@ from torch import nn
 
 from .formats.finite import is_finite
 from .formats.safetensors_header import Header, read_header
+from .wording import EngineError
 
 TORCH_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -34,7 +35,7 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 SCALE_SUFFIXES = (".weight_scale", ".scale_weight")     # ComfyUI's fp8mixed, older scaled_fp8
 
 
-class CheckpointMismatch(ValueError):
+class CheckpointMismatch(ValueError, EngineError):
     pass
 
 

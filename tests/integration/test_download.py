@@ -160,9 +160,9 @@ def test_catalog_entries_are_known_models_with_sources():
             at = next(i for i, line in enumerate(source) if f'"{f.filename}"' in line)
             above = source[max(0, at - 8):at]
             assert any(line.strip().startswith("#") and "https://" in line for line in above), f.filename
-    hint = catalog.missing_hint("flux2-klein-9b", {"flux2-vae.safetensors", "flux-2-klein-9b.safetensors"})
+    hint = dl.missing_hint("flux2-klein-9b", {"flux2-vae.safetensors", "flux-2-klein-9b.safetensors"})
     assert "text_encoders/qwen_3_8b_fp8mixed.safetensors" in hint and "python -m ugpum download flux2-klein-9b" in hint
-    assert catalog.missing_hint("flux2-klein-9b", [f.filename for f in catalog.files_for("flux2-klein-9b")]) is None
+    assert dl.missing_hint("flux2-klein-9b", [f.filename for f in catalog.files_for("flux2-klein-9b")]) is None
     with pytest.raises(catalog.UnknownName, match="known: klein-9b-1024"):
         catalog.files_for("sdxl")
     with pytest.raises(catalog.UnknownName, match="no fp8"):

@@ -292,3 +292,34 @@ def test_each_family_is_one_folder_the_registry_finds_with_every_member_the_code
         assert cls.default_timesteps in TIMESTEP_METHODS and isinstance(cls.takes_clips, bool)
         assert fam.ids and all(type(get_spec(i)) is cls and get_spec(i).family == fam.name for i in fam.ids)
         assert fam.recognise({}, "") is None
+
+
+# A command-line flag, as a message would spell it: `--resume`, `--base-compute` (not `x--y`, `---`, `--1`).
+FLAG = re.compile(r"(?<![\w-])--[a-z][a-z-]+")
+
+
+def flags_spelled(path: Path) -> list[str]:
+    """The string constants of `path` (f-strings' literal parts too, docstrings not) that spell a
+    command-line flag, as 'file:line --flag'."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    documented = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree) if isinstance(node, documented) and node.body
+                  and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    strings = sorted((node for node in ast.walk(tree) if isinstance(node, ast.Constant)
+                      and isinstance(node.value, str) and id(node) not in docstrings), key=lambda n: n.lineno)
+    return [f"{path.name}:{node.lineno} {FLAG.search(node.value).group()}" for node in strings
+            if FLAG.search(node.value)]
+
+
+def test_the_core_spells_no_command_line_flag(tmp_path):
+    """The engine marks the setting a message means (ugpum/wording.py) and each front end words it: a
+    flag only on the command line, an input on the nodes. So flags are spelled only by the verbs
+    (ugpum/commands/), the torchrun-only distributed engine, and wording.py's table of what the marks become."""
+    sample = tmp_path / "sample.py"
+    sample.write_text('"""Run it with --steps 5."""\n\n\ndef f(out):\n    """Or --resume."""\n'
+                      '    return f"continue with --resume {out}"\n\n\n'
+                      'NOT_FLAGS = ("x--y", "-- ", "--1", "a ---", "-" * 2)\nHINT = "pass --base-compute fp8"\n')
+    assert flags_spelled(sample) == ["sample.py:6 --resume", "sample.py:10 --base-compute"]
+    offenders = [f for p in sorted(PACKAGE.rglob("*.py")) if p.relative_to(PACKAGE).parts[0] not in
+                 ("commands", "distributed", "wording.py") for f in flags_spelled(p)]
+    assert offenders == []

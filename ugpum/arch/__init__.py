@@ -24,6 +24,7 @@ import pkgutil
 from pathlib import Path
 
 from ..formats.safetensors_header import check_file
+from ..wording import EngineError
 from .base import ArchSpec, BlockSpec, LinearSpec, Workload
 from .family import Family
 from .header import strip_prefix, weight_dtype
@@ -38,7 +39,7 @@ def _find_families() -> tuple[Family, ...]:
 FAMILIES = _find_families()
 
 
-class UnknownModel(ValueError):
+class UnknownModel(ValueError, EngineError):
     pass
 
 

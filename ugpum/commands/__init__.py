@@ -7,12 +7,8 @@ import os
 import signal
 import sys
 
-from ..arch import UnknownModel
-from ..devices import DeviceError
-from ..plan import PlanError
-from ..train.config import ConfigError
 from ..train.stopping import stop_on_sigterm
-from ..wording import for_cli
+from ..wording import EngineError, for_cli
 from .bench import add_bench_parser, run_bench
 from .demo import add_demo_parser, run_demo
 from .doctor import add_doctor_parser, run_doctor
@@ -48,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         signum = getattr(stop, "signum", signal.SIGINT)
         print(f"\nstopped by {signal.Signals(signum).name}", file=sys.stderr)
         return 128 + signum
-    except (UsageError, UnknownModel, PlanError, ConfigError, DeviceError, ValueError, RuntimeError, OSError) as e:
+    except (EngineError, UsageError, ValueError, RuntimeError, OSError) as e:   # (the engine's, marked: as flags)
         if os.environ.get("UGPUM_DEBUG"):
             raise
         print(f"error: {in_own_words(for_cli(str(e), args.command))}", file=sys.stderr)

@@ -12,7 +12,9 @@ from pathlib import Path
 from ..forecast import plan_report
 from ..report import loss_curve
 from ..train.config import load_config
+from ..wording import for_cli
 from .bridge import PACK_ROOT
+from .prog import printer
 
 DEMO_DATASET = PACK_ROOT / "demo_datasets" / "loranne"
 TRIGGER = "loranne"
@@ -21,8 +23,8 @@ KLEIN_PROFILE = "klein-9b-1024"
 
 def klein_report() -> str:
     """The klein 9B profile's forecast on this machine's GPUs and typical rigs: the numbers
-    `plan --profile klein-9b-1024 --gpu ...` and `doctor` print for the same GPUs."""
-    return plan_report(load_config(KLEIN_PROFILE), KLEIN_PROFILE)
+    `plan --profile klein-9b-1024 --gpu ...` and `doctor` print for the same GPUs (its advice in plan's flags)."""
+    return for_cli(plan_report(load_config(KLEIN_PROFILE), KLEIN_PROFILE), "plan")
 
 
 def run_real_demo(models: Path, steps: int | None, out_dir: Path, log, comfyui: str | None = None) -> int:
@@ -58,7 +60,7 @@ def add_demo_parser(sub) -> None:
 
 
 def run_demo(args) -> int:
-    return demo(models=args.models, steps=args.steps, out=args.out, comfyui=args.comfyui)
+    return demo(models=args.models, steps=args.steps, out=args.out, log=printer("demo"), comfyui=args.comfyui)
 
 
 def demo(models: str | None = None, steps: int | None = None, out: str = "out/demo", log=print,

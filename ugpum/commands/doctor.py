@@ -15,6 +15,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from .. import models_catalog as catalog
+from .download import download_command
 from ..forecast import TYPICAL_RIGS
 from .bridge import comfy_bridge
 from .prog import in_own_words, prog
@@ -167,7 +168,7 @@ def models_info(models_dir: str | Path | None) -> dict | None:
         out["models"].append({
             "id": model_id, "title": entry.title, "files": files, "ready": ready,
             "licences": [lic.name for lic in entry.licences],
-            "command": None if entry.default_dtype in ready else catalog.download_command(model_id, models_dir),
+            "command": None if entry.default_dtype in ready else download_command(model_id, models_dir),
         })
     out["other_diffusion_models"] = _other_dits(models_dir, known)
     return out
@@ -212,7 +213,8 @@ def plan_info(profile_id: str, devices=None) -> dict:
         try:
             plan = plan_for_config(cfg, devs)
             out["rigs"].append({"rig": rig, "here": here, "predicted_step_s": plan.predicted_step_s,
-                                "assumes": assumptions(plan), "verdict": plan.verdict, "text": format_plan(plan)})
+                                "assumes": assumptions(plan), "verdict": for_cli(plan.verdict),
+                                "text": for_cli(format_plan(plan))})
         except PlanError as err:
             out["rigs"].append({"rig": rig, "here": here, "predicted_step_s": None,
                                 "verdict": for_cli(str(err)), "text": f"does not fit: {for_cli(str(err))}"})

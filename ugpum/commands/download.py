@@ -47,6 +47,33 @@ TOKEN_HELP = ("give a token: set HF_TOKEN=hf_... in the environment, or run `hug
 
 
 # ---------------------------------------------------------------------------------------------
+# The command line that fetches a profile's files (what train, doctor and this verb tell the user to run)
+
+
+def download_command(name: str, models_dir: str | Path | None = None, dtype: str | None = None) -> str:
+    """The shell command that fetches a profile's or model's files."""
+    cmd = f"python -m ugpum download {name}"
+    if dtype:
+        cmd += f" --dtype {dtype}"
+    return cmd + (f" --models {models_dir}" if models_dir else " --models <ComfyUI>/models")
+
+
+def missing_hint(model_id: str, present_names, dtype: str | None = None,
+                 models_dir: str | Path | None = None) -> str | None:
+    """None when a model's DiT (default dtype unless given), text encoder and VAE are all among
+    `present_names` (ComfyUI file names, e.g. from its loaders' lists); else one sentence naming the
+    missing files and the command that fetches them."""
+    entry = catalog.MODELS[model_id]
+    present = set(present_names)
+    missing = [f for f in entry.files(dtype) if f.filename not in present]
+    if not missing:
+        return None
+    names_ = ", ".join(f"{f.folder}/{f.filename}" for f in missing)
+    return (f"{entry.title}: missing {names_}; get them with "
+            f"{download_command(model_id, models_dir, dtype)}")
+
+
+# ---------------------------------------------------------------------------------------------
 # Errors
 
 
@@ -527,7 +554,7 @@ def explain(report: Report) -> str:
         for f in dict.fromkeys(gated):
             lines.append(f"  {f.page}  ({f.licence.name}: {f.licence.url})")
     if missing or denied or failed:
-        lines += ["", "Then run again: " + catalog.download_command(report.name, report.models_dir, report.dtype)
+        lines += ["", "Then run again: " + download_command(report.name, report.models_dir, report.dtype)
                   + " (files already in place are kept; a partial download resumes)."]
     return "\n".join(lines).strip()
 
@@ -663,8 +690,8 @@ def format_catalog(name: str | None = None) -> str:
     lines = []
     for profile in catalog.PROFILES.values():
         if name in (None, profile.id):
-            lines.append(f"profile {profile.id}: {profile.model}, {profile.dtype}, "
-                         f"{profile.width}x{profile.height}  ({profile.note})")
+            lines.append(f"profile {profile.id}: {profile.model}, {profile.dtype}, {profile.width}x{profile.height}"
+                         f"  (training profile (python -m ugpum train --profile {profile.id}))")
     for entry in catalog.MODELS.values():
         if chosen is not None and entry is not chosen:
             continue

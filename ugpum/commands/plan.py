@@ -10,6 +10,7 @@ from ..devices import CPU_TRAINABLE_PARAMS, resolve_devices
 from ..forecast import format_plan, plan_for_config, recompute_line
 from ..schedules import ALL_SETTINGS, DISTRIBUTED_ONLY
 from ..train.config import TrainConfig, load_config
+from ..wording import for_cli
 from .errors import UsageError
 
 
@@ -112,8 +113,11 @@ def run_plan(args) -> int:
         raise UsageError(f"--schedule {cfg.schedule} puts two pipeline stages on each rank of a distributed run: "
                          "add --distributed, or use auto, sequential, gpipe or 1f1b")
     plan = plan_for_config(cfg, devices, spec=spec, bucket=bucket)
-    print(json.dumps({**plan.to_json(), "recompute_line": recompute_line(plan)}, indent=1) if args.json
-          else format_plan(plan))
+    if args.json:                                       # (the verdict's advice, as everywhere, in plan's flags)
+        print(json.dumps({**plan.to_json(), "verdict": for_cli(plan.verdict, "plan"),
+                          "recompute_line": recompute_line(plan)}, indent=1))
+    else:
+        print(for_cli(format_plan(plan), "plan"))
     return 0
 
 

@@ -18,7 +18,7 @@ from ..dtypes import TORCH_DTYPES
 from ..train.config import PROFILES, TrainConfig, load_config
 from ..folders import check_writable, dangling_link, too_long_name
 from .bridge import comfy_bridge
-from ..wording import for_cli
+from .prog import printer
 from .errors import UsageError
 
 
@@ -184,6 +184,7 @@ def model_files(cfg: TrainConfig, models: str | None, dit: str | None, text_enco
     the catalog's names; None for runs without real encoders (tiny models, stand-in benchmarks).
     Anything missing is one sentence naming each file and the command that fetches them."""
     from .. import models_catalog as catalog
+    from .download import download_command
     spec = get_spec(cfg.model)
     if cfg.stand_in_encoders:
         if text_encoder or vae or models:
@@ -194,7 +195,7 @@ def model_files(cfg: TrainConfig, models: str | None, dit: str | None, text_enco
         if spec.params <= CPU_TRAINABLE_PARAMS and not (text_encoder or vae):
             return None                                       # tiny models: stand-in encoders
         raise UsageError(f"{spec.id} needs its text encoder and VAE: give --models <ComfyUI>/models (the files "
-                         f"`{catalog.download_command(cfg.model)}` puts there), or "
+                         f"`{download_command(cfg.model)}` puts there), or "
                          "--text-encoder FILE --vae FILE")
     explicit = {"dit": dit or cfg.model_file or None, "text_encoder": text_encoder, "vae": vae}
     entry = catalog.MODELS.get(spec.id)
@@ -224,7 +225,7 @@ def model_files(cfg: TrainConfig, models: str | None, dit: str | None, text_enco
     if missing:
         where = f" in {models}" if models else ""
         raise UsageError(f"{spec.title}: missing {', '.join(missing)}{where}; get them with "
-                         f"{catalog.download_command(cfg.model, models)}")
+                         f"{download_command(cfg.model, models)}")
     return ModelFiles(chosen["dit"], chosen["text_encoder"], chosen["vae"])
 
 
@@ -362,9 +363,9 @@ def run_train(args) -> int:
     from ..train.run_folder import RunFinished
     try:
         result = run_training(cfg, out, files, comfyui, resume=bool(args.resume), overwrite=args.overwrite,
-                              inputs=inputs)
+                              inputs=inputs, log=printer("train"))
     except RunFinished as finished:                  # not an error: the run is done
-        print(for_cli(str(finished), "train"))
+        printer("train")(finished)
         return 0
     print(f"LoRA: {result.lora_path}")
     return 0

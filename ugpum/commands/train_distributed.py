@@ -42,12 +42,13 @@ def run_train_distributed(args, cfg: TrainConfig, out: str, files, build_model, 
     """The CLI's distributed branch: a stop by a signal is one sentence per rank and exit 128 + signal."""
     from ..distributed.topology import DistributedStop
     from .errors import UsageError
+    from .prog import printer
     if not args.distributed:
         raise UsageError("--data-parallel needs --distributed (run under torchrun; README \"Past one machine\")")
     try:
         result = run_distributed_training(cfg, out, files, build_model, build_encoders, data_parallel=args.data_parallel,
                                           resume=bool(args.resume), overwrite=getattr(args, "overwrite", False),
-                                          comfyui=comfyui, inputs=inputs)
+                                          log=printer("train"), comfyui=comfyui, inputs=inputs)
     except DistributedStop as stop:
         # One write per line: the ranks share torchrun's stderr, and print's separate newline let
         # two ranks' sentences run together on one line.

@@ -12,12 +12,14 @@ import errno
 import shutil
 from pathlib import Path
 
+from ..wording import EngineError
+
 FULL = (errno.ENOSPC, errno.EDQUOT)
 # Headers, metadata and the filesystem's own blocks: a write needs a little more than its tensors.
 MARGIN = 64 * 2**10
 
 
-class DiskFull(OSError):
+class DiskFull(OSError, EngineError):
     """No space left for a write; the message says how much is needed, how much is free and what is kept."""
 
     def __init__(self, message: str):

@@ -6,12 +6,14 @@ from collections.abc import Iterable
 
 import torch
 
+from ..wording import EngineError
+
 # fp8 formats have no isfinite kernel everywhere: read their bit patterns instead.
 # e4m3fn: NaN is S.1111.111 (no infinities); e5m2: exponent 11111 is an infinity or a NaN.
 _FP8_NON_FINITE = {torch.float8_e4m3fn: (0x7F, 0x7F), torch.float8_e5m2: (0x7C, 0x7C)}
 
 
-class NonFinite(ValueError):
+class NonFinite(ValueError, EngineError):
     """A tensor holds NaN or infinity; the message names it and says what to do."""
 
 

@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 
 from ugpum.formats.atomic import atomic_path
 from ugpum.formats.finite import NonFinite, non_finite, shown
+from ugpum.wording import EngineError
 
 TRAINER_VERSION = "ugpum 0.1.0"
 PREFIX = "diffusion_model."
@@ -36,7 +37,7 @@ _SUFFIX_ROLES = {
 }
 
 
-class LoraFileError(ValueError):
+class LoraFileError(ValueError, EngineError):
     """A LoRA file or the tensors handed to save_lora are unusable; the message says why."""
 
 

@@ -6,6 +6,8 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..wording import EngineError
+
 # A header is a few MB even for a 60 GB model; the safetensors library itself refuses one over 100 MB.
 MAX_HEADER_BYTES = 100_000_000
 
@@ -40,7 +42,7 @@ class Header:
         return {k: v.shape for k, v in self.tensors.items()}
 
 
-class HeaderError(ValueError):
+class HeaderError(ValueError, EngineError):
     pass
 
 

@@ -33,11 +33,12 @@ from ..formats.safetensors_header import HeaderError, check_file
 from ..lora import LoraSet
 from .cache import FeatureCache
 from .run_layout import RunFolder
+from ..wording import EngineError, setting
 
 LATEST = "latest.json"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(ValueError, EngineError):
     pass
 
 
@@ -108,7 +109,7 @@ def full_disk_kept(full: BaseException, out: Path, at: int, lora_path: Path | No
     that step when it was saved, the newest intact checkpoint (which a resume continues from), or none."""
     checkpoint = latest_checkpoint(out)
     kept = [f"the LoRA of step {at} ({lora_path.name})"] if lora_path else []
-    kept += [f"the checkpoint {checkpoint.name}, which --resume {out} continues from"] if checkpoint else []
+    kept += [f"the checkpoint {checkpoint.name}, which {setting('resume', out)} continues from"] if checkpoint else []
     said = ("kept: " + " and ".join(kept) + "; ") if kept else ""
     said += "" if checkpoint else "no checkpoint of this run is on disk, so a resume cannot continue it"
     err = DiskFull(f"{full}; {said.removesuffix('; ')}")

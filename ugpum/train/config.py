@@ -13,10 +13,10 @@ from ..arch.base import RECOMPUTE_SETTINGS
 from ..schedules import ALL_SETTINGS as SCHEDULE_SETTINGS
 from ..dtypes import TRAINING_DTYPES
 from ..diffusion.flow import TIMESTEP_METHODS
-from ..wording import quoted
+from ..wording import EngineError, quoted, setting
 
 
-class ConfigError(ValueError):
+class ConfigError(ValueError, EngineError):
     pass
 
 
@@ -218,7 +218,7 @@ class TrainConfig:
         need(self.sample_guidance is None or 0 <= self.sample_guidance <= 100, "sample_guidance",
              "a number from 0 to 100 (FLUX.2 dev's sampling default is 4.0), or leave it unset")
         need(self.schedule in SCHEDULE_SETTINGS, "schedule",
-             "auto, sequential, gpipe or 1f1b (with --distributed also interleaved-1f1b or zero-bubble)")
+             f"auto, sequential, gpipe or 1f1b ({setting('distributed')} also takes interleaved-1f1b or zero-bubble)")
         need(bool(self.devices) and all(d.strip() for d in self.devices), "devices",
              'a list of devices such as ["auto"], ["cuda:0", "cuda:1"] or ["cpu"]')
         need(all(t.strip() for t in self.targets), "targets", "names of layers (substrings of their paths), no empty ones")

@@ -25,6 +25,7 @@ from pathlib import Path
 from ..arch import family_named
 from ..arch.base import WAN_FPS
 from ..folders import read_fix, read_reason
+from ..wording import setting
 from .dataset import (DatasetError, ImageItem, Resolution, _check_bool, _check_caption_ext, _check_positive_int,
                       _check_resolution, load_image_folder, resolve_inside)
 
@@ -80,8 +81,8 @@ def load_musubi_toml(path: Path | str, trigger: str = "", family: str = "flux2",
         )
         if common["batch_size"] != 1:
             raise DatasetError(f"{where}: batch_size = {common['batch_size']}: UGPUM takes the batch from the run "
-                               "(the Partition Planner's batch, or --batch), which its memory plan is made for; "
-                               "remove batch_size or set it to 1")
+                               f"({setting('batch')}), which its memory plan is made for; remove batch_size or "
+                               "set it to 1")
         has_images, has_clips = "image_directory" in dataset, "video_directory" in dataset
         if has_images == has_clips:
             raise DatasetError(f"{where}: has both image_directory and video_directory; give each its own "
@@ -195,7 +196,7 @@ def _video_dataset(path: Path, settings: dict, where: str, common: dict, family:
     for target in dict.fromkeys(checked):                   # each value once, as musubi-tuner takes them
         if target > frames:
             raise DatasetError(f"{where}: target_frames holds {target}, more than the {frames} frames this run "
-                               f"is planned for; set frames to {target} (Partition Planner, or --frames), or "
+                               f"is planned for; set frames to {target} ({setting('frames', target)}), or "
                                "lower target_frames")
         items += clip_items(folder, target, stride, **common, settings=(f"{where}'s target_frames", stride_setting))
     return items

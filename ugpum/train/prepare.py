@@ -21,6 +21,7 @@ from ..plan import Plan, plan_training
 from ..schedules import DISTRIBUTED_ONLY
 from .config import TrainConfig
 from .errors import TrainingError
+from ..wording import setting
 from ..lora import attach_lora, lora_targets
 
 
@@ -29,8 +30,8 @@ def plan_for(cfg: TrainConfig) -> Plan:
     `plan` show)."""
     if cfg.schedule in DISTRIBUTED_ONLY:
         raise TrainingError(f"schedule {cfg.schedule} runs two pipeline stages on each rank of a distributed run "
-                            "(torchrun ... --distributed, README \"Past one machine\"); one process runs auto, "
-                            "sequential, gpipe or 1f1b")
+                            f"({setting('distributed')} under torchrun, README \"Past one machine\"); one process "
+                            "runs auto, sequential, gpipe or 1f1b")
     spec = get_spec(cfg.model)
     return plan_training(spec, resolve_devices(cfg.devices, spec, training=True, desktop_gib=cfg.desktop_gib),
                          cfg.workload(),

@@ -64,8 +64,8 @@ def open_run(cfg: TrainConfig, spec, out: Path, resume: bool, overwrite: bool, l
         checkpoint, start = None, 0
         held = earlier_run(out, cfg)
         if held and not overwrite:
-            raise RunExists(f"{out} holds an earlier run ({held}); continue it with --resume {out}, train into "
-                            "another folder, or pass --overwrite to replace it")
+            raise RunExists(f"{out} holds an earlier run ({held}); continue it with {setting('resume', out)}, train "
+                            f"into another folder, or replace it ({setting('overwrite')})")
         clear_earlier_run(out, cfg)                      # (what a run that never stepped left, or --overwrite)
         if held:
             log(f"replacing the earlier run in {out} (overwrite)")
@@ -148,8 +148,8 @@ def check_metrics(out: Path, step: int, log) -> None:
     except OSError as error:
         problem = f"it cannot be read ({read_reason(error)})"
     if problem:
-        raise TrainingError(f"--resume {out}: metrics.jsonl is not as UGPUM writes it ({problem}), so it is not "
-                            f"rewritten; move it aside (mv {metrics} {metrics}.old) and resume again: the "
+        raise TrainingError(f"{setting('resume', out)}: metrics.jsonl is not as UGPUM writes it ({problem}), so it "
+                            f"is not rewritten; move it aside (mv {metrics} {metrics}.old) and resume again: the "
                             "checkpoint alone continues the run")
     kept = [s for s, _ in records if s <= step]
     if kept != list(range(1, step + 1)):
@@ -162,17 +162,18 @@ def resume_point(out: Path, cfg: TrainConfig, identity: dict, log) -> tuple[Path
     finite numbers and lies within the run's steps; metrics.jsonl is checked too (`check_metrics`)."""
     folder = latest_checkpoint(out, log, deep=True)       # (a damaged newer one is skipped, and said so)
     if folder is None:
-        raise TrainingError(f"--resume {out}: no intact checkpoint in {RunFolder(out).checkpoints}; start a new run")
+        raise TrainingError(f"{setting('resume', out)}: no intact checkpoint in {RunFolder(out).checkpoints}; start a new run")
     state = json.loads((folder / "state.json").read_text())
     check_same_run(state.get("identity") or {}, identity, folder)
     step = state["step"]
     if step == cfg.steps and RunFolder(out).lora(f"{cfg.output_name}.safetensors").is_file():
-        raise RunFinished(f"--resume {out}: the run is finished ({step} of {cfg.steps} steps trained, "
+        raise RunFinished(f"{setting('resume', out)}: the run is finished ({step} of {cfg.steps} steps trained, "
                           f"{cfg.output_name}.safetensors written); nothing is left to train: to train on, resume "
                           f"with a new total, {setting('steps', 2 * step)} for instance")
     if not 0 < step <= cfg.steps:
         more = f"; set {setting('steps')} above {step} to train on" if step > cfg.steps else ""
-        raise TrainingError(f"--resume {out}: its checkpoint is at step {step}, outside this run's 1..{cfg.steps}{more}")
+        raise TrainingError(f"{setting('resume', out)}: its checkpoint is at step {step}, outside this run's "
+                            f"1..{cfg.steps}{more}")
     check_metrics(out, step, log)
     log(f"resumed from {folder} at step {step}")
     return folder, step
