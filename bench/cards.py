@@ -191,12 +191,12 @@ class BlockMemory:
 def measure_blocks(meter: BlockMemory) -> None:
     """Attach `meter` to the model the single-process engine prepares (after LoRA, compile, checkpointing)."""
     from ugpum.train import stepper
-    original = stepper.LocalStepper.prepare
+    original = stepper.OneProcessStepper.prepare
 
     def prepare(self, cfg, spec, plan, model, key_prefix, log):
         original(self, cfg, spec, plan, model, key_prefix, log)
         meter.attach(self.model, spec)
-    stepper.LocalStepper.prepare = prepare
+    stepper.OneProcessStepper.prepare = prepare
 
 
 def host_peak_gib() -> float:

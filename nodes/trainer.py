@@ -18,6 +18,7 @@ from ugpum.devices import CPU_TRAINABLE_PARAMS
 from ugpum.diffusion.flow import TIMESTEP_METHODS
 from ugpum.train.dataset import IMAGE_EXTENSIONS, resolve_inside
 from ugpum.train.video import folder_has_clips
+from ugpum.wording import for_nodes
 
 from .errors import UGPUMError, user_errors
 from .types import LORA_MODEL, UGPUM_MODEL, UGPUM_PLAN, UGPUMModel, UGPUMPlan
@@ -266,8 +267,8 @@ class LoRATrainer(io.ComfyNode):
         bar = comfy.utils.ProgressBar(steps)
         t_start = time.perf_counter()
 
-        def report(message) -> None:
-            log.info("UGPUM %.1fs: %s", time.perf_counter() - t_start, str(message).strip())
+        def report(message) -> None:                    # (the settings the engine names, as this UI's inputs)
+            log.info("UGPUM %.1fs: %s", time.perf_counter() - t_start, for_nodes(str(message)).strip())
         try:
             # ComfyUI runs nodes under torch.inference_mode(); training needs autograd back
             with user_errors(NODE), comfy_training_mode(), torch.inference_mode(False), torch.enable_grad():

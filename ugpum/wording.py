@@ -27,7 +27,7 @@ _FLAGS = {
              "grad_accum": "--grad-accum", "frames": "--frames", "schedule": "--schedule"},
     "train": {"batch": "--batch", "base_compute": "--base-compute", "grad_accum": "--grad-accum",
               "frames": "--frames", "schedule": "--schedule", "steps": "--steps", "compile": "--compile",
-              "devices": "--devices"},
+              "devices": "--devices", "resume": "--resume"},
 }
 # the values a flag takes where they differ from the setting's (none differ at present)
 _FLAG_VALUES: dict[tuple[str, str], str] = {}

@@ -411,8 +411,8 @@ def test_one_loop_drives_both_engines_compile_and_8bit_included(tmp_path):
     shape and one step keep the compiling short."""
     from PIL import Image
     from ugpum.train import loop
-    from ugpum.distributed.stepper import PipelineStepper
-    assert loop.LocalStepper is not PipelineStepper                # two steppers, one `train`
+    from ugpum.distributed.stepper import TorchrunRankStepper
+    assert loop.OneProcessStepper is not TorchrunRankStepper      # two steppers, one `train`
     data = tmp_path / "data"
     data.mkdir()
     for i, src in enumerate(sorted(DATASET.glob("*.jpg"))[:2]):
