@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from comfy_bridge import build_meta  # noqa: E402
 from ugpum.arch import get_spec, recognise, Workload  # noqa: E402
-from ugpum.checkpointing import checkpoint_blocks  # noqa: E402
+from ugpum.recompute import recompute_blocks  # noqa: E402
 from ugpum.devices import detect_devices, host_device  # noqa: E402
 from ugpum.inplace_guard import guard_inplace_residuals  # noqa: E402
 from ugpum.place import Layout, place  # noqa: E402
@@ -187,7 +187,7 @@ def run(args) -> dict:
         targets = lora_targets([b.path for b in spec.blocks], [b.linears for b in spec.blocks])
         lora = attach_lora(model, targets, rank=w.rank, alpha=w.rank)
         guards = guard_inplace_residuals(model, include_rms=False)
-        undo_ckpt = checkpoint_blocks(model, [b.path for b in spec.blocks]) if checkpointing else None
+        undo_ckpt = recompute_blocks(model, [b.path for b in spec.blocks]) if checkpointing else None
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         times, loss, finite = train_steps(model, spec, lora, w, args.steps, torch_devs[0], guidance)

@@ -61,7 +61,7 @@ def test_a_chain_of_stages_is_the_models_own_forward(comfy, profile, latent, spl
     blocks, at the double/single boundary and inside the singles; Wan's blocks; 2 and 3 stages."""
     from comfy_bridge import build_random
     from ugpum.arch import get_spec
-    from ugpum.checkpointing import checkpoint_blocks
+    from ugpum.recompute import recompute_blocks
     from ugpum.train.objective import micro_batch_inputs
     from ugpum.distributed.stages import stage_module, stage_ranges
     from ugpum.inplace_guard import guard_inplace_residuals
@@ -77,7 +77,7 @@ def test_a_chain_of_stages_is_the_models_own_forward(comfy, profile, latent, spl
     model = build_random(spec, torch.float32, seed=3)
     paths = [b.path for b in spec.blocks]
     guard_inplace_residuals(model, include_rms=False)
-    checkpoint_blocks(model, paths)
+    recompute_blocks(model, paths)
     lora = attach_lora(model, lora_targets(paths, [b.linears for b in spec.blocks]), 4, 4.0, seed=1)
     with torch.no_grad():
         for _, a in lora.items():
