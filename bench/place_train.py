@@ -163,7 +163,7 @@ def run(args) -> dict:
         width, height = args.resolution
         w = Workload(width=width, height=height, frames=args.frames,
                      recompute="all" if checkpointing else "none", rank=args.rank,
-                     weight_dtype="bf16" if weight_dtype == "fp32" else weight_dtype)
+                     held_dtype="bf16" if weight_dtype == "fp32" else weight_dtype)
         name = (f"{spec.id} {width}x{height} x{args.frames} frames, {weight_dtype} weights, rank {args.rank}, "
                 f"checkpointing {'block' if checkpointing else 'none'}"
                 + (f", guidance {guidance}" if guidance is not None else ""))

@@ -71,7 +71,7 @@ def record(out: Path, row: dict) -> None:
 def ours(args, out: Path) -> None:
     spec, prefix, stored = recognise(args.path)
     width, height = args.resolution
-    w = Workload(width=width, height=height, frames=args.frames, recompute="all", rank=16, weight_dtype="bf16")
+    w = Workload(width=width, height=height, frames=args.frames, recompute="all", rank=16, held_dtype="bf16")
     plan = make_plan(spec, detect_devices(), w)
     model = build_meta(spec, torch.bfloat16)
     layout = Layout.from_plan(plan, [s.torch_device for s in plan.stages], spec.tail_modules)

@@ -391,7 +391,7 @@ def test_two_stages_per_rank_are_placed_planned_and_refused_in_one_process():
     assert [rank_stages("1f1b", r, 2) for r in range(2)] == [[0], [1]]
     spec = get_spec("flux2-klein-9b")
     gpus = resolve_devices(["rtx4090", "rtx4090"], spec, probe=False)
-    w = Workload(width=1024, height=1024, frames=1, batch=1, rank=16, checkpointing=True, weight_dtype="bf16")
+    w = Workload(width=1024, height=1024, frames=1, batch=1, rank=16, checkpointing=True, held_dtype="bf16")
     one = forecast_distributed(spec, gpus, w, 4, nodes=2)
     two = forecast_distributed(spec, gpus, w, 4, nodes=2, schedule="zero-bubble")
     assert (two.stages, two.stages_per_rank, two.rank_stages) == (2, 2, [[0, 3], [1, 2]])

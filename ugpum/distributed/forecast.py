@@ -79,7 +79,7 @@ def every_stage_params(spec) -> int:
 
 def every_stage_bytes(spec, w) -> int:
     """Bytes of `every_stage_params` in the run's weight dtype."""
-    return int(every_stage_params(spec) * WEIGHT_BYTES[w.weight_dtype])
+    return int(every_stage_params(spec) * WEIGHT_BYTES[w.held_dtype])
 
 
 @dataclass
