@@ -135,7 +135,7 @@ def neighbour(plan, variant: str, spec, devices):
 
 class BlockMemory:
     """What each block keeps for its backward, read off the allocator in the real run: at every block's
-    forward pre-hook of a training step (grad on; validation runs without grad, and checkpointed blocks
+    forward pre-hook of a training step (grad on; validation runs without grad, and recomputed blocks
     recompute without module hooks) the bytes allocated on cuda:0, and after the last block. The difference
     between two blocks' readings is what the first one left alive for backward (its saved tensors, its
     output). Each step's first block also reads and resets the allocator's peaks, so every step's peak
@@ -191,12 +191,12 @@ class BlockMemory:
 def measure_blocks(meter: BlockMemory) -> None:
     """Attach `meter` to the model the single-process engine prepares (after LoRA, compile, checkpointing)."""
     from ugpum.train import stepper
-    original = stepper.LocalStepper.prepare
+    original = stepper.OneProcessStepper.prepare
 
     def prepare(self, cfg, spec, plan, model, key_prefix, log):
         original(self, cfg, spec, plan, model, key_prefix, log)
         meter.attach(self.model, spec)
-    stepper.LocalStepper.prepare = prepare
+    stepper.OneProcessStepper.prepare = prepare
 
 
 def host_peak_gib() -> float:

@@ -131,14 +131,14 @@ def lora_training_setup(model, spec, w, compile: str = "off"):
     """What every GPU bench trains: FLUX.2's in-place guard, per-block checkpointing and LoRA of rank
     `w.rank` on every block linear, the blocks compiled first when `compile` is on. Returns (guards, undo
     checkpointing and compilation, the LoRA set, its parameters)."""
-    from ugpum.checkpointing import checkpoint_blocks
+    from ugpum.recompute import recompute_blocks
     from ugpum.compile import compile_blocks
     from ugpum.inplace_guard import guard_inplace_residuals
     from ugpum.lora import attach_lora, lora_targets
     block_paths = [b.path for b in spec.blocks]
     guards = guard_inplace_residuals(model, include_rms=False)
     undo_compile = compile_blocks(model, block_paths, compile)
-    undo_checkpointing = checkpoint_blocks(model, block_paths)
+    undo_checkpointing = recompute_blocks(model, block_paths)
 
     def undo_ckpt():
         undo_checkpointing()

@@ -5,7 +5,7 @@
 
 Each mode (compile/base_compute) runs in its own process, as `python -m ugpum train` would set it up:
 a TrainConfig, the plan `train()` uses (`loop.plan_for`), the DiT built on meta and streamed from the file
-by `loop.prepare_model` (8-bit layers quantised as they arrive, blocks compiled, then checkpointed), then
+by `loop.prepare_model` (8-bit layers quantised as they arrive, blocks compiled, then wrapped for recompute), then
 LoRA steps (random latents and text at the plan's shapes, AdamW, bf16 autocast). Appends one JSON object
 per mode to OUT/modes.json: allocator peaks while loading and while training against the forecast,
 median s/step against the plan's predicted s/step, first-step seconds.

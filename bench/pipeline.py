@@ -29,7 +29,7 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from comfy_bridge import build_meta, comfy_training_mode, find_comfyui_or_raise, import_comfy  # noqa: E402
 from ugpum.arch import Workload, get_spec  # noqa: E402
-from ugpum.checkpointing import checkpoint_blocks  # noqa: E402
+from ugpum.recompute import recompute_blocks  # noqa: E402
 from ugpum.compile import compile_blocks  # noqa: E402
 from ugpum.inplace_guard import guard_inplace_residuals  # noqa: E402
 from ugpum.pipeline import SCHEDULES, accumulate  # noqa: E402
@@ -99,7 +99,7 @@ class Bench:
         guard_inplace_residuals(self.model, include_rms=False)
         compile_blocks(self.model, paths, args.compile)      # before checkpointing wraps the forwards
         if self.w.recompute == "all":
-            checkpoint_blocks(self.model, paths)
+            recompute_blocks(self.model, paths)
         cut = args.cut or len(paths) // 2
         self.layout = Layout({p: self.dev for p in paths}, self.dev, self.dev, self.spec.tail_modules,
                              (tuple(paths[:cut]), tuple(paths[cut:])))

@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from comfy_bridge import build_meta  # noqa: E402
 from ugpum.arch import get_spec, recognise, Workload  # noqa: E402
-from ugpum.checkpointing import checkpoint_blocks  # noqa: E402
+from ugpum.recompute import recompute_blocks  # noqa: E402
 from ugpum.devices import detect_devices, host_device  # noqa: E402
 from ugpum.inplace_guard import guard_inplace_residuals  # noqa: E402
 from ugpum.place import Layout, place  # noqa: E402
@@ -163,7 +163,7 @@ def run(args) -> dict:
         width, height = args.resolution
         w = Workload(width=width, height=height, frames=args.frames,
                      recompute="all" if checkpointing else "none", rank=args.rank,
-                     weight_dtype="bf16" if weight_dtype == "fp32" else weight_dtype)
+                     held_dtype="bf16" if weight_dtype == "fp32" else weight_dtype)
         name = (f"{spec.id} {width}x{height} x{args.frames} frames, {weight_dtype} weights, rank {args.rank}, "
                 f"checkpointing {'block' if checkpointing else 'none'}"
                 + (f", guidance {guidance}" if guidance is not None else ""))
@@ -187,7 +187,7 @@ def run(args) -> dict:
         targets = lora_targets([b.path for b in spec.blocks], [b.linears for b in spec.blocks])
         lora = attach_lora(model, targets, rank=w.rank, alpha=w.rank)
         guards = guard_inplace_residuals(model, include_rms=False)
-        undo_ckpt = checkpoint_blocks(model, [b.path for b in spec.blocks]) if checkpointing else None
+        undo_ckpt = recompute_blocks(model, [b.path for b in spec.blocks]) if checkpointing else None
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         times, loss, finite = train_steps(model, spec, lora, w, args.steps, torch_devs[0], guidance)

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from comfy_bridge import build_meta  # noqa: E402
 from ugpum.arch import Workload, recognise  # noqa: E402
 from ugpum.base_compute import use_8bit_base, supports  # noqa: E402
-from ugpum.checkpointing import checkpoint_blocks  # noqa: E402
+from ugpum.recompute import recompute_blocks  # noqa: E402
 from ugpum.commands.plan import resolution as _resolution  # noqa: E402
 from ugpum.compile import compile_blocks, compile_stats  # noqa: E402
 from ugpum.devices import detect_devices  # noqa: E402
@@ -71,7 +71,7 @@ def record(out: Path, row: dict) -> None:
 def ours(args, out: Path) -> None:
     spec, prefix, stored = recognise(args.path)
     width, height = args.resolution
-    w = Workload(width=width, height=height, frames=args.frames, recompute="all", rank=16, weight_dtype="bf16")
+    w = Workload(width=width, height=height, frames=args.frames, recompute="all", rank=16, held_dtype="bf16")
     plan = make_plan(spec, detect_devices(), w)
     model = build_meta(spec, torch.bfloat16)
     layout = Layout.from_plan(plan, [s.torch_device for s in plan.stages], spec.tail_modules)
@@ -118,7 +118,7 @@ def ours(args, out: Path) -> None:
             try:
                 undo_base = use_8bit_base(model, targets, mode, log, keep="device")
                 undo_compile = compile_blocks(model, block_paths, "on" if compiled else "off", log)
-                undo_ckpt = checkpoint_blocks(model, block_paths)
+                undo_ckpt = recompute_blocks(model, block_paths)
                 before = compile_stats()
                 first, median, peak, times = timed_steps(step, args.steps + (1 if compiled else 0))
                 after = compile_stats()
@@ -162,7 +162,7 @@ def plain(args, out: Path, spec, model, block_paths, x, t, ctx) -> None:
 
     for compiled in args.compiled:
         undo_compile = compile_blocks(model, block_paths, "on" if compiled else "off", log)
-        undo_ckpt = checkpoint_blocks(model, block_paths)
+        undo_ckpt = recompute_blocks(model, block_paths)
         try:
             first, median, peak, times = timed_steps(step, args.steps + (1 if compiled else 0))
             record(out, {"model": spec.id, "impl": "ugpum_plain", "mode": "bf16", "compiled": compiled,

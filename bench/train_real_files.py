@@ -29,6 +29,7 @@ from ugpum.commands.bridge import comfy_bridge  # noqa: E402
 from ugpum.commands.train import build_encoders, build_model, model_files  # noqa: E402
 from ugpum.train.config import load_config  # noqa: E402
 from ugpum.train.loop import train  # noqa: E402
+from ugpum.wording import for_cli  # noqa: E402
 
 GIB = 2 ** 30
 CUDA = torch.cuda.is_available()
@@ -101,7 +102,7 @@ def main(argv=None) -> int:
     lines = []
 
     def log(message) -> None:
-        text = str(message)
+        text = for_cli(str(message), "train")             # (the settings the run names, as train's flags)
         lines.append(text)
         print(text, flush=True)
         if text.startswith("features:"):

@@ -27,7 +27,7 @@ class UGPUMModel:
     file_name: str              # as listed in ComfyUI's diffusion_models
     key_prefix: str             # "", "diffusion_model." or "model.diffusion_model."
     stored_dtype: str           # block weights in the file: "fp8", "bf16", "fp16" or "fp32"
-    weight_dtype: str           # what training holds on the GPUs (Workload.weight_dtype)
+    weight_dtype: str           # the Loader's weight_dtype: the dtype the base weights load in (TrainConfig's)
     devices: tuple[str, ...]    # device specs as typed: ("auto",), ("cuda:0", "cuda:1"), ("rtx4090",)
     spec: ArchSpec
 

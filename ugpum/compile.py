@@ -22,8 +22,8 @@ What is inside the graph, what stays outside
   autograd applies that as a ``copy_`` into the caller's tensor after the graph ran, while its min-cut
   partitioner saved that same input for backward (it recomputes the norm from it rather than keeping the
   guard's copy). The ``copy_`` then bumps the saved tensor's version and backward fails ("modified by an
-  inplace operation ... CopyBackwards"): without checkpointing on every FLUX.2 block, and with it only
-  because ``checkpoint_block`` copies the inputs first. With the copies in the graph nothing is mutated,
+  inplace operation ... CopyBackwards"): without recompute on every FLUX.2 block, and with it only
+  because ``recompute_block`` copies the inputs first. With the copies in the graph nothing is mutated,
   and inductor fuses each copy into the kernels that read it.
 * Each block compiles as ONE graph (``fullgraph=True``) or not at all. Where Dynamo would split a block
   (an op it cannot trace: ComfyUI's split attention on the CPU asks psutil for free memory), a later
@@ -31,8 +31,8 @@ What is inside the graph, what stays outside
   above; the copies at the entry cannot help there. So a class whose forward does not trace as one
   graph (or runs past the recompile limit) runs eagerly from then on, said in one log line
   (``_ClassForward``); Dynamo raises while tracing, before anything ran, so the call is simply redone.
-* Per-block checkpointing (``ugpum.checkpointing``) wraps ``block.forward`` *outside* the compiled
-  function: compile first, checkpoint after (``compile_blocks`` refuses a block whose forward is
+* Per-block recompute (``ugpum.recompute``) wraps ``block.forward`` *outside* the compiled
+  function: compile first, wrap for recompute after (``compile_blocks`` refuses a block whose forward is
   already wrapped). Recomputation in backward re-runs the compiled forward.
 * Placement hooks (``ugpum.place``: moving inputs between devices, swap-in) are ``Module.__call__``
   hooks of the block itself; they run before ``forward`` and are never compiled. A block on another
@@ -164,7 +164,7 @@ def compile_blocks(model: nn.Module, block_paths: list[str], setting: str = "aut
     setting: 'off' compiles nothing; 'on' compiles on whatever device the blocks are (CPU: inductor's
     C++ backend) and raises if that cannot work; 'auto' compiles on CUDA GPUs that Triton supports and
     otherwise logs ONE line saying why the blocks run eagerly (on CPU, auto means off).
-    Call it after the blocks are placed and BEFORE `checkpoint_blocks` (which then wraps the compiled
+    Call it after the blocks are placed and BEFORE `recompute_blocks` (which then wraps the compiled
     forward); hooks (LoRA, in-place guard, placement) may be attached before or after.
     dynamic: torch.compile's `dynamic` (None: automatic dynamic, see the module docstring).
     mode: torch.compile's mode (None = default; 'max-autotune-no-cudagraphs' tries harder).
@@ -191,8 +191,8 @@ def compile_blocks(model: nn.Module, block_paths: list[str], setting: str = "aut
         f = block.__dict__.get("forward")           # an undone wrapper may leave the plain bound method
         if f is not None and not (getattr(f, "__func__", None) is type(block).forward
                                   and getattr(f, "__self__", None) is block):
-            raise ValueError(f"block {path} already has a wrapped forward (checkpointing?): call compile_blocks "
-                             "before checkpoint_blocks")
+            raise ValueError(f"block {path} already has a wrapped forward (recomputed?): call compile_blocks "
+                             "before recompute_blocks")
     forwards = {cls: _ClassForward(cls, *_compiled_forward(cls, dynamic, mode), log)   # eager fallback: per call
                 for cls in {type(b) for b in blocks}}
     for block in blocks:
@@ -243,7 +243,7 @@ def _why(err: BaseException) -> str:
 
 class _ClassForward:
     """One block class's compiled forward in one `compile_blocks` call; from the first call that cannot be one
-    graph, the same forward on copies run eagerly (the copies keep it safe inside `checkpoint_blocks`, which
+    graph, the same forward on copies run eagerly (the copies keep it safe inside `recompute_blocks`, which
     copies nothing for a compiled forward)."""
 
     def __init__(self, cls: type, on_copies, compiled, log):

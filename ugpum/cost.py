@@ -80,7 +80,7 @@ def forward_share(recomputed: bool) -> float:
 
 
 def block_weight_bytes(block: BlockSpec, w: Workload) -> int:
-    return block.params * WEIGHT_BYTES[w.weight_dtype]
+    return block.params * WEIGHT_BYTES[w.held_dtype]
 
 
 def cast_copy_bytes(block: BlockSpec, w: Workload) -> float:
@@ -91,7 +91,7 @@ def cast_copy_bytes(block: BlockSpec, w: Workload) -> float:
     8-bit base's: its GEMMs read the 1-byte weight itself (ugpum.base_compute saves Wq, not a copy)."""
     if w.base_compute in EIGHT_BIT_MODES:
         return 0.0
-    return block.params * ACT_BYTES if WEIGHT_BYTES[w.weight_dtype] < ACT_BYTES else 0.0
+    return block.params * ACT_BYTES if WEIGHT_BYTES[w.held_dtype] < ACT_BYTES else 0.0
 
 
 def full_activation_bytes(spec: ArchSpec, block: BlockSpec, w: Workload) -> float:

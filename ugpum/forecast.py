@@ -30,7 +30,7 @@ def format_plan(plan: Plan) -> str:
     w = plan.workload
     clip = f", {w['frames']} frames ({latent_frames(w['frames'])} latent)" if w["frames"] > 1 else ""
     lines = [f"{plan.model}  {w['width']}x{w['height']}{clip}"
-             + f"  batch {w['batch']}  grad-accum {plan.grad_accum}  rank {w['rank']}  {w['weight_dtype']}"
+             + f"  batch {w['batch']}  grad-accum {plan.grad_accum}  rank {w['rank']}  {w['held_dtype']}"
              + f"  recompute {w.get('recompute', 'all')}"
              + f"  {'compiled' if w.get('compiled') else 'eager'}  base compute {w.get('base_compute', 'bf16')}", ""]
     header = f"{'device':<24} {'blocks':<44} {'swapped':>7} {'forecast / budget GiB':>22} {'s/micro-batch':>13}"
@@ -71,7 +71,7 @@ def assumptions(plan: Plan) -> str:
     w = plan.workload
     blocks = "compiled blocks" if w.get("compiled") else "eager blocks (compile off)"
     per_step = f"{plan.grad_accum} micro-batch{'es' if plan.grad_accum > 1 else ''} of batch {w['batch']} per step"
-    return (f"{blocks}, {w['weight_dtype']} weights, base compute {w.get('base_compute', 'bf16')}, {per_step}, "
+    return (f"{blocks}, {w['held_dtype']} weights, base compute {w.get('base_compute', 'bf16')}, {per_step}, "
             f"{w['width']}x{w['height']}, rank {w['rank']}")
 
 

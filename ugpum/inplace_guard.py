@@ -27,11 +27,11 @@ or an alias of it. Only the innermost such module is hooked when one wraps anoth
 that nothing modifies afterwards, and cloning q and k costs memory without need (they are not
 shared with the residual stream). Affine weights, if present, are untouched: we only clone.
 
-Gradient checkpointing needs one more step, ``checkpoint_block``: non-reentrant
+Recomputing a block in backward needs one more step, ``recompute_block``: non-reentrant
 ``torch.utils.checkpoint`` re-runs the block on its *original input tensors* during backward.
 A block that modifies its input in place has by then overwritten that input (and, run plainly
 in a chain, the whole single stream is one storage), so recomputation must start from private
-copies made *inside* the checkpointed function. Measured on ComfyUI's FLUX.2 blocks (fp64,
+copies made *inside* the recomputed function. Measured on ComfyUI's FLUX.2 blocks (fp64,
 against central differences):
   * plain, no guard: RuntimeError (in-place modification);
   * plain + guard: exact gradients;
@@ -40,15 +40,15 @@ against central differences):
     error ~60): recomputation runs the in-place add after a norm saved the same tensor, and
     checkpoint's recomputed tensors carry no version check. The double block is the one that
     trips it (norm2 saves ``img`` after the first in-place add);
-  * ``checkpoint_block`` + guard: exact gradients;
+  * ``recompute_block`` + guard: exact gradients;
   * the whole model under one non-reentrant checkpoint (ComfyUI 0.33's TrainLoraNode at its
     default checkpoint_depth=1 does this): no error and ~2 % wrong gradients without the guard,
     exact with it.
 Wan's blocks add residuals out of place; they need neither, and are unaffected by both.
 
 Blocks compiled by ``ugpum.compile`` need the guard as well (the compiler traces with autograd's version
-checks), and take their private input copies inside the compiled graph, with or without checkpointing
-(see that module: without the copies, FLUX.2's compiled blocks failed in backward when not checkpointed).
+checks), and take their private input copies inside the compiled graph, recomputed or not (see that
+module: without the copies, FLUX.2's compiled blocks failed in backward when not recomputed).
 
 Pure torch; nothing here imports ComfyUI.
 """
@@ -60,7 +60,7 @@ import torch
 import torch.utils.checkpoint
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["guard_inplace_residuals", "checkpoint_block"]
+__all__ = ["guard_inplace_residuals", "recompute_block"]
 
 _LAYER_NORM_TYPES: tuple[type, ...] = (torch.nn.LayerNorm,)
 _RMS_NORM_TYPES: tuple[type, ...] = (torch.nn.RMSNorm,) if hasattr(torch.nn, "RMSNorm") else ()
@@ -130,10 +130,11 @@ def _private(v):
     return v.clone() if torch.is_tensor(v) and v.is_floating_point() else v
 
 
-def checkpoint_block(block, *args, **kwargs):
-    """Non-reentrant activation checkpointing of ``block(*args, **kwargs)`` for in-place blocks.
+def recompute_block(block, *args, **kwargs):
+    """``block(*args, **kwargs)`` recomputed in backward (non-reentrant ``torch.utils.checkpoint``), for
+    in-place blocks.
 
-    Floating-point tensor arguments are copied *inside* the checkpointed function, so the block
+    Floating-point tensor arguments are copied *inside* the recomputed function, so the block
     never writes into a tensor that recomputation will read again; the copies are not kept
     between forward and backward. Use together with ``guard_inplace_residuals`` for blocks that
     modify their input in place (ComfyUI FLUX.2); harmless for out-of-place blocks (Wan).

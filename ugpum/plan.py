@@ -123,7 +123,7 @@ class StageCosts:
             -round(saving[i] / top, 9), self.kept[False][i] - self.kept[True][i], i))
         # embedders and modulations are held like the blocks (1 byte each in fp8 weights), except under the
         # 8-bit base, which quantises only the blocks' Linears: the rest stays as loaded (bf16 counted)
-        outside = ACT_BYTES if w.base_compute in cost.EIGHT_BIT_MODES else WEIGHT_BYTES[w.weight_dtype]
+        outside = ACT_BYTES if w.base_compute in cost.EIGHT_BIT_MODES else WEIGHT_BYTES[w.held_dtype]
         self.head = spec.head_params * outside + w.batch * w.text_tokens * spec.context_dim * ACT_BYTES
         self.tail = spec.tail_params * outside
         self.stage = lru_cache(maxsize=None)(self._stage)
@@ -354,8 +354,9 @@ def make_plan(spec: ArchSpec, devices: list[Device], w: Workload, grad_accum: in
                     "forecast_gib": one["stages"][0].forecast_gib,
                     "predicted_step_s": one["predicted_step_s"],
                     "swap_bytes_per_step": one["swap_bytes_per_step"]}
-    # (the workload's "checkpointing": the older switch, for readers of plan.json from before recompute)
-    workload = dict(dataclasses.asdict(w), checkpointing=w.recompute != "none")
+    # (the workload's "checkpointing" and "weight_dtype": the older names of recompute and held_dtype, for
+    # readers of plan.json from before them)
+    workload = dict(dataclasses.asdict(w), checkpointing=w.recompute != "none", weight_dtype=w.held_dtype)
     plan = Plan(model=spec.id, workload=workload, grad_accum=grad_accum,
                 block_paths=[b.path for b in spec.blocks], swap_forecast=swap, verdict="",
                 base_compute=w.base_compute, **solved,
@@ -428,7 +429,7 @@ def eight_bit_summary(devices: list[Device]) -> str:
 
 def eight_bit_workload(w: Workload, mode: str) -> Workload:
     """`w` with its base in `mode`: 1 byte a weight on the GPUs."""
-    return dataclasses.replace(w, base_compute=mode, weight_dtype="fp8" if mode != "bf16" else w.weight_dtype)
+    return dataclasses.replace(w, base_compute=mode, held_dtype="fp8" if mode != "bf16" else w.held_dtype)
 
 
 def _quality(mode: str) -> str:
@@ -555,8 +556,8 @@ def _explain_failure(spec, devices, w, grad_accum, in_flight) -> str:
     missing = max(floor - biggest, 0) / GIB
     tries = []
     variants = []
-    if w.weight_dtype != "fp8":
-        variants.append((f"fp8 weights ({setting('weight_dtype', 'fp8')})", dataclasses.replace(w, weight_dtype="fp8"),
+    if w.held_dtype != "fp8":
+        variants.append((f"fp8 weights ({setting('weight_dtype', 'fp8')})", dataclasses.replace(w, held_dtype="fp8"),
                          devices))
     if w.recompute == "none":                   # (auto recomputes every block before it would not fit)
         variants.append((f"every block recomputed in backward ({setting('recompute', 'all')})",
@@ -608,10 +609,10 @@ def _what_would_fit(spec, devices, w, grad_accum, in_flight) -> str:
     gib = smallest_gib(w)
     if gib is not None:
         return f"Nothing simple would fit: {gpus(gib)} would ({flag(gib)})."
-    lean = dataclasses.replace(w, weight_dtype="fp8", recompute="all", batch=1,     # (auto fits where all does)
+    lean = dataclasses.replace(w, held_dtype="fp8", recompute="all", batch=1,     # (auto fits where all does)
                                width=min(w.width, 512), height=min(w.height, 512))
     changes = [text for text, changed in (
-        (f"fp8 weights ({setting('weight_dtype', 'fp8')})", w.weight_dtype != "fp8"),
+        (f"fp8 weights ({setting('weight_dtype', 'fp8')})", w.held_dtype != "fp8"),
         (f"every block recomputed in backward ({setting('recompute', 'all')})", w.recompute == "none"),
         (f"batch 1 ({setting('batch', 1)})", w.batch > 1),
         (f"resolution 512 ({setting('resolution', 512)})", max(w.width, w.height) > 512)) if changed]

@@ -17,10 +17,10 @@ Schedule (one copy stream, events; nothing waits on the host in the hot path)
     once the compute stream passes that event (the copy stream waits on it), and the next blocks are
     prefetched into it at once;
   * backward: a gradient hook on each block's outputs fires before the block's backward (and, with
-    per-block checkpointing, before its recomputation, which needs the weights again): make i
+    per-block recompute, before its recomputation, which needs the weights again): make i
     resident and prefetch the previous offloaded blocks (reverse order). A hook on the block's inputs
     fires once its backward is done and frees its slot early;
-  * without checkpointing, autograd would keep references to slot memory (e.g. ``weight.t()``) until
+  * without recompute, autograd would keep references to slot memory (e.g. ``weight.t()``) until
     backward, by which time the slot may hold another block. A saved-tensor hook around each
     offloaded block's forward replaces such tensors by (block, offset, shape, stride) and rebuilds
     them from wherever the block is resident in backward (reloading it if needed).
@@ -135,7 +135,7 @@ class _Slot:
 
 @dataclass(frozen=True)
 class _SavedWeight:
-    """What autograd keeps instead of a tensor that points into a slot (no-checkpointing path)."""
+    """What autograd keeps instead of a tensor that points into a slot (the path without recompute)."""
     block: _Block
     offset: int                    # in elements of dtype, from the slot's start
     size: tuple
@@ -439,7 +439,7 @@ class SwapHandle:
         self._release(block)
         self._prefetch(self._behind(block.pos, len(self.slots)))
 
-    # --- saved tensors (no checkpointing) ----------------------------------------------------
+    # --- saved tensors (no recompute) --------------------------------------------------------
     # Autograd skips its in-place modification check for tensors that pass through saved-tensor
     # hooks, so other tensors keep their version here and are checked the same way on unpack.
     def _pack_saved(self, t: torch.Tensor):

@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from support import comfy_models as cm  # noqa: E402
-from ugpum.checkpointing import checkpoint_blocks  # noqa: E402
+from ugpum.recompute import recompute_blocks  # noqa: E402
 from ugpum.compile import compile_blocks, compile_stats  # noqa: E402
 from ugpum.inplace_guard import guard_inplace_residuals  # noqa: E402
 from ugpum.lora import attach_lora  # noqa: E402
@@ -52,7 +52,7 @@ def _setup(family: str, compiled: bool, checkpointing: bool = True, dtype=torch.
     guard_inplace_residuals(model, include_rms=False)
     logged = []
     undo_compile = compile_blocks(model, paths, "on" if compiled else "off", logged.append)
-    undo_ckpt = checkpoint_blocks(model, paths) if checkpointing else (lambda: None)
+    undo_ckpt = recompute_blocks(model, paths) if checkpointing else (lambda: None)
     return model, lora, logged, lambda: (undo_ckpt(), undo_compile())
 
 
@@ -121,8 +121,8 @@ def test_auto_on_cpu_runs_eagerly_and_says_why_once(comfy):
 
 def test_compile_must_come_before_checkpointing(comfy):
     model = cm.build_tiny_wan(torch.float32, num_layers=1, exact_rope=False)
-    undo = checkpoint_blocks(model, ["blocks.0"])
-    with pytest.raises(ValueError, match="before checkpoint_blocks"):
+    undo = recompute_blocks(model, ["blocks.0"])
+    with pytest.raises(ValueError, match="before recompute_blocks"):
         compile_blocks(model, ["blocks.0"], "on", lambda *_: None)
     undo()
 

@@ -61,7 +61,7 @@ def test_a_chain_of_stages_is_the_models_own_forward(comfy, profile, latent, spl
     blocks, at the double/single boundary and inside the singles; Wan's blocks; 2 and 3 stages."""
     from comfy_bridge import build_random
     from ugpum.arch import get_spec
-    from ugpum.checkpointing import checkpoint_blocks
+    from ugpum.recompute import recompute_blocks
     from ugpum.train.objective import micro_batch_inputs
     from ugpum.distributed.stages import stage_module, stage_ranges
     from ugpum.inplace_guard import guard_inplace_residuals
@@ -77,7 +77,7 @@ def test_a_chain_of_stages_is_the_models_own_forward(comfy, profile, latent, spl
     model = build_random(spec, torch.float32, seed=3)
     paths = [b.path for b in spec.blocks]
     guard_inplace_residuals(model, include_rms=False)
-    checkpoint_blocks(model, paths)
+    recompute_blocks(model, paths)
     lora = attach_lora(model, lora_targets(paths, [b.linears for b in spec.blocks]), 4, 4.0, seed=1)
     with torch.no_grad():
         for _, a in lora.items():
@@ -391,7 +391,7 @@ def test_two_stages_per_rank_are_placed_planned_and_refused_in_one_process():
     assert [rank_stages("1f1b", r, 2) for r in range(2)] == [[0], [1]]
     spec = get_spec("flux2-klein-9b")
     gpus = resolve_devices(["rtx4090", "rtx4090"], spec, probe=False)
-    w = Workload(width=1024, height=1024, frames=1, batch=1, rank=16, checkpointing=True, weight_dtype="bf16")
+    w = Workload(width=1024, height=1024, frames=1, batch=1, rank=16, checkpointing=True, held_dtype="bf16")
     one = forecast_distributed(spec, gpus, w, 4, nodes=2)
     two = forecast_distributed(spec, gpus, w, 4, nodes=2, schedule="zero-bubble")
     assert (two.stages, two.stages_per_rank, two.rank_stages) == (2, 2, [[0, 3], [1, 2]])
@@ -411,8 +411,8 @@ def test_one_loop_drives_both_engines_compile_and_8bit_included(tmp_path):
     shape and one step keep the compiling short."""
     from PIL import Image
     from ugpum.train import loop
-    from ugpum.distributed.stepper import PipelineStepper
-    assert loop.LocalStepper is not PipelineStepper                # two steppers, one `train`
+    from ugpum.distributed.stepper import TorchrunRankStepper
+    assert loop.OneProcessStepper is not TorchrunRankStepper      # two steppers, one `train`
     data = tmp_path / "data"
     data.mkdir()
     for i, src in enumerate(sorted(DATASET.glob("*.jpg"))[:2]):

@@ -172,7 +172,7 @@ def test_fp8_file_trains_an_fp32_lora_with_finite_gradients(tmp_path):
                for k, t in lora.items())                                   # it learned
     # one backward by hand: frozen fp8 base, LoRA gradients finite and non-zero
     spec = get_spec(DEV)
-    plan = make_plan(spec, [host_device()], Workload(width=64, height=64, weight_dtype="fp8", rank=c.rank))
+    plan = make_plan(spec, [host_device()], Workload(width=64, height=64, held_dtype="fp8", rank=c.rank))
     model, lora_set, layout, release = prepare_model(c, spec, plan, *build_model(c))
     try:
         base = {p.dtype for n, p in model.named_parameters() if "blocks." in n and p.dim() == 2}
@@ -268,7 +268,7 @@ def plan_json(*extra: str) -> dict:
 
 def test_plan_dev_fp8_fits_two_24gib_cards_with_a_few_blocks_swapped():
     plan = plan_json("--dtype", "fp8")
-    assert plan["model"] == "flux2-dev" and plan["workload"]["weight_dtype"] == "fp8"
+    assert plan["model"] == "flux2-dev" and plan["workload"]["held_dtype"] == "fp8"
     # (the calibrated planner counts the allocator's slack and 0.5 GiB for a desktop on each card: a few
     # of the 56 blocks stream from host memory; bf16 streams far more, below)
     assert 0 < len(plan["offloaded_blocks"]) <= 10
@@ -299,7 +299,7 @@ def test_dev_profile_is_fp8_with_guidance_and_trains_on_two_24gib_cards():
     assert (c.model, c.weight_dtype, c.guidance, c.sample_guidance, c.resolution, c.lr) == (
         "flux2-dev", "fp8", 1.0, 4.0, 1024, 1e-4)
     assert 16 <= c.rank <= 32 and c.checkpointing
-    w = Workload(width=c.resolution, height=c.resolution, rank=c.rank, weight_dtype=c.weight_dtype,
+    w = Workload(width=c.resolution, height=c.resolution, rank=c.rank, held_dtype=c.weight_dtype,
                  checkpointing=c.checkpointing)
     plan = make_plan(get_spec(c.model), parse_device_specs(["24GiB", "24GiB"]), w, grad_accum=c.grad_accum)
     assert len(plan.offloaded_blocks) <= 10 and all(s.blocks[1] > s.blocks[0] for s in plan.stages)

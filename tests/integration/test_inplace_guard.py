@@ -21,7 +21,7 @@ if str(Path(__file__).resolve().parents[2]) not in sys.path:
     sys.path.append(str(Path(__file__).resolve().parents[2]))
 
 from support import comfy_models as cm  # noqa: E402
-from ugpum.inplace_guard import checkpoint_block, guard_inplace_residuals  # noqa: E402
+from ugpum.inplace_guard import guard_inplace_residuals, recompute_block  # noqa: E402
 
 F64 = torch.float64
 FD_TOL = 1e-6
@@ -146,7 +146,7 @@ def test_toy_inplace_fails_and_guard_restores_exact_gradients():
     assert guard_inplace_residuals(blocks) == []  # idempotent
     for got, want in zip(_toy_grads(blocks, x0), reference):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
-    for got, want in zip(_toy_grads(blocks, x0, ckpt=checkpoint_block), reference):
+    for got, want in zip(_toy_grads(blocks, x0, ckpt=recompute_block), reference):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
     with pytest.raises(RuntimeError, match="inplace operation"):
         _toy_grads(blocks, x0, ckpt=bare_checkpoint)
@@ -159,7 +159,7 @@ def test_toy_inplace_fails_and_guard_restores_exact_gradients():
 def test_toy_checkpoint_with_copies_but_no_guard_is_silently_wrong():
     blocks, x0 = _toy()
     reference = _toy_grads(blocks, x0, inplace=False)
-    got = _toy_grads(blocks, x0, ckpt=checkpoint_block)  # no error raised ...
+    got = _toy_grads(blocks, x0, ckpt=recompute_block)  # no error raised ...
     err = max(float((a - b).abs().max()) for a, b in zip(got, reference))
     assert err > 1e-6  # ... but the gradients are wrong
 
@@ -218,7 +218,7 @@ def test_flux2_checkpoint_without_guard_gives_wrong_gradients(comfy):
     assert max_fd_error(loss, params, reference) < FD_TOL
 
     model, params, loss = _flux2()  # same seeds, fresh modules, no guard
-    checkpoint_each(list(model.double_blocks) + list(model.single_blocks), checkpoint_block)
+    checkpoint_each(list(model.double_blocks) + list(model.single_blocks), recompute_block)
     got = autograd_grads(loss, params)  # runs without error ...
     scale = max(float(g.abs().max()) for g in reference)
     err = max(float((a - b).abs().max()) for a, b in zip(got, reference))
@@ -258,7 +258,7 @@ def test_flux2_guarded_gradients_match_finite_differences(comfy, mode, style):
     handles = guard_inplace_residuals(model)
     assert handles
     if mode == "checkpoint":
-        checkpoint_each(list(model.double_blocks) + list(model.single_blocks), checkpoint_block)
+        checkpoint_each(list(model.double_blocks) + list(model.single_blocks), recompute_block)
     grads = autograd_grads(loss, params)
     assert all(float(g.abs().max()) > 0 for g in grads)
     assert max_fd_error(loss, params, grads) < FD_TOL
@@ -271,7 +271,7 @@ def test_flux2_layer_norms_alone_suffice(comfy, mode):
     handles = guard_inplace_residuals(model, include_rms=False)
     assert len(handles) == 4 * len(model.double_blocks) + len(model.single_blocks) + 1  # + final norm
     if mode == "checkpoint":
-        checkpoint_each(list(model.double_blocks) + list(model.single_blocks), checkpoint_block)
+        checkpoint_each(list(model.double_blocks) + list(model.single_blocks), recompute_block)
     grads = autograd_grads(loss, params)
     assert max_fd_error(loss, params, grads) < FD_TOL
 
@@ -290,6 +290,6 @@ def test_wan_guarded_gradients_match_finite_differences(comfy, mode):
     model, params, loss = _wan()
     assert guard_inplace_residuals(model)
     if mode == "checkpoint":
-        checkpoint_each(model.blocks, checkpoint_block)
+        checkpoint_each(model.blocks, recompute_block)
     grads = autograd_grads(loss, params)
     assert max_fd_error(loss, params, grads) < FD_TOL

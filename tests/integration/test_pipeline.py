@@ -17,7 +17,7 @@ from torch import nn
 
 from support import comfy_models as cm
 from support.toy_dit import ToyDiT
-from ugpum.checkpointing import checkpoint_blocks
+from ugpum.recompute import recompute_blocks
 from ugpum.copy import Copy, move
 from ugpum.inplace_guard import guard_inplace_residuals
 from ugpum.pipeline import SCHEDULES, accumulate, best_schedule, in_flight, op_order, stage_order
@@ -76,7 +76,7 @@ class Case:
                 a.B.copy_(0.1 * torch.randn(a.B.shape, generator=g, dtype=dtype))
         guard_inplace_residuals(self.model, include_rms=False)   # FLUX.2's in-place residuals
         if checkpointing:
-            checkpoint_blocks(self.model, self.blocks)
+            recompute_blocks(self.model, self.blocks)
 
     def micro_batch(self, seed: int) -> dict:
         g = torch.Generator().manual_seed(seed)

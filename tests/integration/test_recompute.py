@@ -4,7 +4,7 @@ recompute all, none, and auto under a host memory cap that leaves the planner ro
 activations but not all (the planner's own choice, through the real `train`). Recomputation repeats the
 same fp32 forward, so the LoRAs agree to rounding. The engine refuses the 8-bit base on the CPU, so that
 combination is checked one level down: the int8 reference emulation with none, every other and every block
-checkpointed gives the same LoRA gradients (eager: compiling the emulation takes minutes on the CPU)."""
+recomputed gives the same LoRA gradients (eager: compiling the emulation takes minutes on the CPU)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -17,7 +17,7 @@ from comfy_bridge import find_comfyui
 from support import comfy_models as cm
 from ugpum import devices as ugpum_devices
 from ugpum.base_compute import use_8bit_base
-from ugpum.checkpointing import checkpoint_blocks
+from ugpum.recompute import recompute_blocks
 from ugpum.inplace_guard import guard_inplace_residuals
 from ugpum.lora import attach_lora
 from ugpum.commands.train import run_training
@@ -86,7 +86,7 @@ def test_all_none_and_a_planned_mix_train_the_same_lora(tmp_path, monkeypatch, p
     n = len(result.plan.block_paths)
     assert kept["all"] == [] and kept["none"] == list(range(n)) and 0 < len(kept["auto"]) < n, kept
     assert f"recompute auto: {len(kept['auto'])} of {n} blocks keep their activations" in "\n".join(said["auto"])
-    # the engine checkpointed as many blocks as each plan recomputes
+    # the engine wrapped for recompute as many blocks as each plan recomputes
     for recompute, line in (("all", "recompute: every block recomputed in backward"),
                             ("none", f"recompute: 0 of {n} blocks recomputed in backward"),
                             ("auto", f"recompute: {n - len(kept['auto'])} of {n} blocks recomputed in backward")):
@@ -116,7 +116,7 @@ def test_emulated_int8_base_with_mixed_checkpointing_gives_the_same_gradients(co
     weights = None
     grads = {}
     for name, recomputed in (("none", []), ("every other", paths[::2]), ("all", paths)):
-        undo = checkpoint_blocks(model, recomputed)
+        undo = recompute_blocks(model, recomputed)
         for _, a in lora.items():
             a.A.grad = a.B.grad = None
         out = model(**inputs, transformer_options={})

@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 
 from support import comfy_models as cm
 from support.toy_dit import ToyDiT
-from ugpum.checkpointing import checkpoint_blocks
+from ugpum.recompute import recompute_blocks
 from ugpum.inplace_guard import guard_inplace_residuals
 from ugpum.place import Layout
 from ugpum.place import place_with_swap, swap_plan
@@ -76,7 +76,7 @@ def _swapped_tensors(model, paths):
 
 
 class MaterialisedProbe:
-    """Counts, at every leaf-module call inside the offloaded blocks (forward and checkpointed
+    """Counts, at every leaf-module call inside the offloaded blocks (forward and its
     recomputation) and after every load, how many offloaded blocks hold any weight."""
 
     def __init__(self, model, paths, handle=None):
@@ -135,8 +135,8 @@ def test_toy_swap_gives_the_same_gradients(device, ckpt, slots, which):
     offloaded = paths if which == "all" else [paths[1], paths[2], paths[4]]   # resident ones between
     ref_lora = _lora(ref, _toy_targets(ref))
     if ckpt:
-        checkpoint_blocks(ref, paths)
-        checkpoint_blocks(model, paths)
+        recompute_blocks(ref, paths)
+        recompute_blocks(model, paths)
     handle = install_swap(model, offloaded, device, slots=slots)
     lora = _lora(model, _toy_targets(model))            # after install: adapters on the device
     assert all(a.A.device.type == torch.device(device).type for _, a in lora.items())
@@ -275,7 +275,7 @@ def test_flux2_swap_gives_the_same_gradients(comfy, mode, device):
     for m in (ref, model):
         guard_inplace_residuals(m, include_rms=False)
         if mode.endswith("+checkpointing"):
-            checkpoint_blocks(m, block_paths)
+            recompute_blocks(m, block_paths)
     ref_lora = _lora(ref, targets)
     handle = install_swap(model, offloaded, device, slots=2)
     lora = _lora(model, targets)

@@ -423,9 +423,10 @@ def test_compile_and_base_compute_settings_reach_the_engine(tmp_path, capsys):
     assert main(["train", "--profile", "tiny-flux2", "--dataset", str(DATASET), "--devices", "cpu", "--steps", "1",
                  "--sample-every", "0", "--compile", "auto", "--out", str(out)]) == 0
     assert capsys.readouterr().out.count("compile=auto: blocks on cpu run eagerly") == 1
-    assert json.loads((out / "plan.json").read_text())["workload"]["weight_dtype"] == "fp32"
+    workload = json.loads((out / "plan.json").read_text())["workload"]
+    assert workload["held_dtype"] == workload["weight_dtype"] == "fp32"      # (weight_dtype: its older name)
     assert main(["train", "--profile", "tiny-flux2", "--dataset", str(DATASET), "--devices", "cpu", "--steps", "1",
                  "--sample-every", "0", "--base-compute", "fp8", "--out", str(tmp_path / "fp8")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "fp8" in err and "Traceback" not in err
-    assert load_config("tiny-flux2", overrides=dict(base_compute="int8")).workload().weight_dtype == "fp8"
+    assert load_config("tiny-flux2", overrides=dict(base_compute="int8")).workload().held_dtype == "fp8"

@@ -44,7 +44,7 @@ def workload(row: dict) -> Workload:
     rank = int(words[words.index("--rank") + 1]) if "--rank" in words else 16
     return Workload(width=row["resolution"], height=row["resolution"], frames=row["frames"], rank=rank,
                     compiled=row.get("compile", "on") != "off", base_compute=row["base_compute"],
-                    weight_dtype="fp8" if eight_bit else "bf16", recompute=row["recompute"])
+                    held_dtype="fp8" if eight_bit else "bf16", recompute=row["recompute"])
 
 
 def unit_bytes(row: dict, spec, w: Workload) -> float:

@@ -323,3 +323,97 @@ def test_the_core_spells_no_command_line_flag(tmp_path):
     offenders = [f for p in sorted(PACKAGE.rglob("*.py")) if p.relative_to(PACKAGE).parts[0] not in
                  ("commands", "distributed", "wording.py") for f in flags_spelled(p)]
     assert offenders == []
+
+
+def stepper_reads(source: str) -> set[str]:
+    """The members a module reads of its stepper: `stepper.<name>` and `self.stepper.<name>`."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute):
+            held = node.value
+            if (isinstance(held, ast.Name) and held.id == "stepper") or \
+                    (isinstance(held, ast.Attribute) and held.attr == "stepper"):
+                found.add(node.attr)
+    return found
+
+
+def contract_members(protocol) -> dict[str, tuple[str, ...] | None]:
+    """A Protocol's members: a method's parameter names (self left out), None for an attribute."""
+    import inspect
+    members: dict[str, tuple[str, ...] | None] = {name: None for name in protocol.__annotations__}
+    for name, value in vars(protocol).items():
+        if inspect.isfunction(value) and not name.startswith("_"):
+            members[name] = tuple(inspect.signature(value).parameters)[1:]
+    return members
+
+
+def set_on_self(cls) -> set[str]:
+    """The attributes a class sets on its instances (`self.x = ...`, `self.x, self.y = ...` in any method)."""
+    import inspect
+    import textwrap
+    found = set()
+    for node in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(cls)))):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+            node, (ast.AnnAssign, ast.AugAssign)) else []
+        for target in targets:
+            for t in (target.elts if isinstance(target, ast.Tuple) else [target]):
+                if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self":
+                    found.add(t.attr)
+    return found
+
+
+def contract_breaches(cls, protocol) -> list[str]:
+    """The members of `protocol` that `cls` lacks, and its methods whose parameters are named otherwise."""
+    import inspect
+    breaches = []
+    for name, params in contract_members(protocol).items():
+        own = getattr(cls, name, None)
+        if params is None:
+            if own is None and name not in set_on_self(cls):
+                breaches.append(f"{cls.__name__} lacks {name}")
+        elif not inspect.isfunction(own):
+            breaches.append(f"{cls.__name__} lacks the method {name}")
+        elif tuple(inspect.signature(own).parameters)[1:] != params:
+            got = ", ".join(tuple(inspect.signature(own).parameters)[1:])
+            breaches.append(f"{cls.__name__}.{name}({got}) differs from {protocol.__name__}.{name}({', '.join(params)})")
+    return breaches
+
+
+def test_the_contract_check_finds_what_a_stepper_lacks_or_names_otherwise():
+    from typing import Protocol
+
+    class Contract(Protocol):
+        lead: bool
+        name: str
+
+        def agree(self, step: int, loss: float, due: bool) -> tuple:
+            """(made up)"""
+
+    class MadeUp:
+        name = "made up"
+
+        def __init__(self):
+            self.ready = True
+
+        def agree(self, loss, due):
+            return loss, due
+
+    assert stepper_reads("stepper.agree(1)\nself.stepper.lead\nother.name\n") == {"agree", "lead"}
+    assert contract_members(Contract) == {"lead": None, "name": None, "agree": ("step", "loss", "due")}
+    assert set_on_self(MadeUp) == {"ready"}
+    assert contract_breaches(MadeUp, Contract) == [
+        "MadeUp lacks lead", "MadeUp.agree(loss, due) differs from Contract.agree(step, loss, due)"]
+
+
+def test_the_loop_uses_exactly_the_engines_contract_and_both_steppers_keep_it():
+    """ugpum/train/engine.py's Stepper is what the loop reads of its stepper, no more, no less, and
+    both steppers (one process; one rank of torchrun, importable on the CPU) keep it."""
+    from ugpum.distributed.stepper import TorchrunRankStepper
+    from ugpum.train.engine import Stepper
+    from ugpum.train.stepper import OneProcessStepper
+    used = stepper_reads((PACKAGE / "train" / "loop.py").read_text(encoding="utf-8"))
+    contract = contract_members(Stepper)
+    assert sorted(used - set(contract)) == [], "the loop uses members the contract does not name"
+    assert sorted(set(contract) - used) == [], "the contract names members the loop does not use"
+    for stepper in (OneProcessStepper, TorchrunRankStepper):
+        assert contract_breaches(stepper, Stepper) == []

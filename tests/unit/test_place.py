@@ -115,7 +115,7 @@ def test_comfyui_models_split_gradients_equal_unsplit(model_id, devices):
     if find_comfyui() is None:
         pytest.skip("needs ComfyUI's model classes")
     from ugpum.arch import get_spec
-    from ugpum.checkpointing import checkpoint_blocks
+    from ugpum.recompute import recompute_blocks
     from ugpum.inplace_guard import guard_inplace_residuals
     from ugpum.lora import attach_lora, lora_targets
     spec = get_spec(model_id)
@@ -131,7 +131,7 @@ def test_comfyui_models_split_gradients_equal_unsplit(model_id, devices):
                             first=devices[0], last=devices[1], tail_modules=spec.tail_modules)
             place(model, layout)
         guard_inplace_residuals(model, include_rms=False)
-        checkpoint_blocks(model, paths)
+        recompute_blocks(model, paths)
         lora = attach_lora(model, lora_targets(paths, [b.linears for b in spec.blocks]), 4, 4, dtype=dtype, seed=1)
         with torch.no_grad():
             for _, a in lora.items():

@@ -19,7 +19,7 @@ def device(gib: float, tflops: float, gbps: float = 25.0, label: str = "gpu") ->
 devices_st = st.lists(st.tuples(st.floats(6, 48), st.floats(20, 400), st.sampled_from([6.5, 25.0, 50.0])),
                       min_size=1, max_size=3)
 workload_st = st.builds(Workload, width=st.sampled_from([512, 768, 1024]), height=st.sampled_from([512, 1024]),
-                        recompute=st.sampled_from(["auto", "all", "none"]), weight_dtype=st.sampled_from(["bf16", "fp8"]),
+                        recompute=st.sampled_from(["auto", "all", "none"]), held_dtype=st.sampled_from(["bf16", "fp8"]),
                         rank=st.sampled_from([4, 16, 64]))
 
 

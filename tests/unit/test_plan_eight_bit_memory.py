@@ -14,7 +14,7 @@ KLEIN = get_spec("flux2-klein-9b")
 
 
 def _wan_16_fp8():
-    return Workload(width=640, height=640, frames=17, rank=32, compiled=True, base_compute="fp8", weight_dtype="fp8")
+    return Workload(width=640, height=640, frames=17, rank=32, compiled=True, base_compute="fp8", held_dtype="fp8")
 
 
 def test_the_head_stays_bf16_under_the_8bit_base_but_not_with_fp8_weights():

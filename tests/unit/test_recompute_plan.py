@@ -133,7 +133,7 @@ def test_in_flight_micro_batches_count_each_kept_block_that_many_times():
 def test_largest_saving_first_then_the_fewest_bytes():
     """FLUX.2's double and single blocks save the same seconds (the same FLOPs); at fp8 weights a single
     block's kept activations cost fewer bytes (its cast weight copy is half a double block's)."""
-    fp8 = dataclasses.replace(W, weight_dtype="fp8", recompute="auto")
+    fp8 = dataclasses.replace(W, held_dtype="fp8", recompute="auto")
     ev = StageCosts(KLEIN, [card(GIB)], fp8, 1)
     singles = [i for i, b in enumerate(KLEIN.blocks) if b.kind == "single"]
     assert ev.keep_order[:len(singles)] == singles

@@ -60,7 +60,7 @@ def _trained_step(spec, path, device: str, mode: str, swapped: list[int], emulat
     them). Returns (LoRA gradients by name, the placement, the quantiser)."""
     from comfy_bridge import build_meta
     from ugpum.base_compute import QuantiseAsLoaded
-    from ugpum.checkpointing import checkpoint_blocks
+    from ugpum.recompute import recompute_blocks
     from ugpum.inplace_guard import guard_inplace_residuals
     from ugpum.lora import attach_lora, lora_targets
     from ugpum.pipeline import accumulate
@@ -81,7 +81,7 @@ def _trained_step(spec, path, device: str, mode: str, swapped: list[int], emulat
     guard_inplace_residuals(model, include_rms=False)
     recomputed = recomputed_paths(plan, spec, block_paths)                  # what training checkpoints
     assert recomputed == ([spec.blocks[i].path for i in sorted(swapped)] if keep_resident else block_paths)
-    checkpoint_blocks(model, recomputed)
+    recompute_blocks(model, recomputed)
 
     def micro_batch(seed: int) -> dict:
         inputs = cm.flux2_inputs(model, height_latent=4, width_latent=4, txt_tokens=6, seed=seed)

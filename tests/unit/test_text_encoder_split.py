@@ -327,7 +327,7 @@ def test_plan_on_one_gpu():
 
 
 def test_plan_text_covers_the_text_encoder_step():
-    w = Workload(width=512, height=512, weight_dtype="fp8")
+    w = Workload(width=512, height=512, held_dtype="fp8")
     dev = format_plan(make_plan(get_spec("flux2-dev"), parse_device_specs(["32GiB", "24GiB", "16GiB"]), w))
     assert "mistral_3_small_flux2_bf16.safetensors), 42.7 GiB" in dev
     assert "split over 2 GPUs for caption caching: layers 0-" in dev and "released before the DiT is placed" in dev

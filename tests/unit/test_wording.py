@@ -26,7 +26,7 @@ def test_a_mark_reads_as_a_flag_a_config_key_or_a_node_input():
 
 def too_small() -> str:
     spec = get_spec("flux2-klein-9b")
-    w = Workload(width=2048, height=2048, frames=1, batch=4, rank=16, recompute="all", weight_dtype="bf16")
+    w = Workload(width=2048, height=2048, frames=1, batch=4, rank=16, recompute="all", held_dtype="bf16")
     with pytest.raises(PlanError) as failed:
         plan_training(spec, resolve_devices(["10GiB"], spec, probe=False), w)
     return str(failed.value)

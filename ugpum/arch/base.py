@@ -49,7 +49,8 @@ class Workload:
     frames: int = 1
     batch: int = 1
     text_tokens: int = 512
-    weight_dtype: str = "bf16"
+    held_dtype: str = "bf16"             # the base weights as training holds them on the GPUs: bf16 | fp8 | fp32
+    #                                      (fp8 under an 8-bit base_compute, whatever the weight_dtype setting)
     rank: int = 16
     compiled: bool = False               # blocks compiled (ugpum.compile): fused elementwise work
     base_compute: str = "bf16"           # the frozen base's matmuls: bf16 | fp8 | int8 (ugpum.base_compute)

@@ -18,8 +18,9 @@ def run_distributed_training(cfg: TrainConfig, out: str | Path, files, build_mod
     ComfyUI `train` found (`comfy_bridge.locate_comfyui`); `inputs`: what the checkpoints record."""
     import torch
     import torch.distributed as dist
-    from ..distributed.stepper import PipelineStepper
+    from ..distributed.stepper import TorchrunRankStepper
     from ..train.loop import train
+    from ..wording import for_cli
     from .bridge import comfy_bridge
     cpu = all(d == "cpu" for d in cfg.devices) or not torch.cuda.is_available()
     bridge = comfy_bridge()
@@ -27,11 +28,11 @@ def run_distributed_training(cfg: TrainConfig, out: str | Path, files, build_mod
     if files is not None:
         cfg.model_file = str(files.dit)
     try:
-        stepper = PipelineStepper(cfg, lambda: build_encoders(cfg, files, bridge), data_parallel, cpu)
+        stepper = TorchrunRankStepper(cfg, lambda: build_encoders(cfg, files, bridge), data_parallel, cpu)
         model, key_prefix = build_model(cfg, bridge)
         with bridge.comfy_training_mode():
             return train(cfg, out, model, None, key_prefix, resume=resume, overwrite=overwrite, stepper=stepper,
-                         inputs=inputs, log=log)
+                         inputs=inputs, log=lambda line: log(for_cli(str(line), "train")))     # marks as flags
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -52,9 +53,16 @@ def run_train_distributed(args, cfg: TrainConfig, out: str, files, build_model, 
     except DistributedStop as stop:
         # One write per line: the ranks share torchrun's stderr, and print's separate newline let
         # two ranks' sentences run together on one line.
-        sys.stderr.write(f"{stop}\n")
+        sys.stderr.write(f"{stopped_sentence(stop, Path(out))}\n")
         sys.stderr.flush()
         return 128 + stop.signum
     if result.lora_path is not None:
         print(f"LoRA: {result.lora_path}")
     return 0
+
+
+def stopped_sentence(stop, out: Path) -> str:
+    """What a rank says when a signal stopped every rank (`DistributedStop`): the loop saved the
+    completed steps with every rank before the stop reached here."""
+    return (f"{stop}: checkpoint and LoRA saved in {out} by rank 0; continue with the same torchrun command and "
+            f"--resume {out}")

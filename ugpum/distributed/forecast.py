@@ -71,7 +71,7 @@ def distributed_plan(spec, devices: list[Device], w, per_replica: int, schedule:
 def every_stage_bytes(spec, w) -> int:
     """Bytes each stage after the first also holds, in the run's weight dtype: the small embedders it
     recomputes the timestep's modulation (and Wan's text embedding) with (ArchSpec.every_stage_params)."""
-    return int(spec.every_stage_params() * WEIGHT_BYTES[w.weight_dtype])
+    return int(spec.every_stage_params() * WEIGHT_BYTES[w.held_dtype])
 
 
 @dataclass

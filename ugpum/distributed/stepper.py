@@ -1,7 +1,7 @@
-"""The distributed engine behind `ugpum.train.loop.train` (a stepper, as `ugpum.train.stepper` is for
-one process), on `torch.distributed.pipelining`: the planner's stages on ranks (one stage per
-rank, or two with the `interleaved-1f1b` and `zero-bubble` schedules: `schedules.py`),
-`--data-parallel R` replicas of that pipeline, launched by torchrun.
+"""The torchrun engine behind `ugpum.train.loop.train` (a stepper keeping `ugpum.train.engine.Stepper`,
+as `ugpum.train.stepper` does for one process), on `torch.distributed.pipelining`: the planner's
+stages on ranks (one stage per rank, or two with the `interleaved-1f1b` and `zero-bubble` schedules:
+`schedules.py`), `--data-parallel R` replicas of that pipeline, launched by torchrun.
 
 Ranks and groups: `topology.py`.
 
@@ -27,10 +27,11 @@ the same items, noise and timesteps) before the first step and after the last, t
 Preview samples are not rendered (the run log says so once): the model is spread over ranks.
 
 Stopping: Ctrl-C or SIGTERM on any rank sets a flag; at the end of the step every rank learns of it
-(a tiny all-reduce each step), rank 0 saves the checkpoint and the LoRA of the completed steps, and
-every rank ends with one sentence. A rank killed outright (SIGKILL, a crash) cannot save: torchrun
-stops the others and the run resumes from its last periodic checkpoint (`save_every`,
-`save_every_minutes`).
+(a tiny all-reduce each step, `agree`) and hands the loop the same stop (`DistributedStop`): the
+loop's one stop handler has rank 0 save the checkpoint and the LoRA of the completed steps with the
+others, and every rank ends with one sentence (the command line words it). A rank killed outright
+(SIGKILL, a crash) cannot save: torchrun stops the others and the run resumes from its last periodic
+checkpoint (`save_every`, `save_every_minutes`).
 """
 from __future__ import annotations
 
@@ -107,11 +108,10 @@ class _Flags:
             signal.signal(s, handler)
 
 
-class PipelineStepper:
-    """One rank of a torchrun job, as `ugpum.train.loop.train` drives it. Rank 0 is the lead: it reads
-    the data, runs the encoders (`make_encoders`, called there only) and writes the run folder."""
-    saves_on_error = False         # an error on one rank cannot be saved with the others: the run resumes
-    #                                from its last periodic checkpoint; signals stop every rank together
+class TorchrunRankStepper:
+    """One rank of a torchrun job, as `ugpum.train.loop.train` drives it (`engine.Stepper`). Rank 0 is
+    the lead: it reads the data, runs the encoders (`make_encoders`, called there only) and writes the
+    run folder."""
 
     def __init__(self, cfg: TrainConfig, make_encoders, data_parallel: int = 1, cpu: bool | None = None):
         if cfg.optimizer != "adamw":
@@ -154,12 +154,12 @@ class PipelineStepper:
                                                   "replicas": top.replicas, "ranks": top.world,
                                                   "bounds": [tuple(s.blocks) for s in plan.stages]}}
 
-    def encoders(self, _given):
-        return self.make_encoders()
+    def encoders(self, given):
+        return self.make_encoders()                         # (a rank is given none: it builds rank 0's)
 
     def prepare(self, cfg, spec, plan, model, key_prefix: str, log) -> None:
         """This rank's share of the model (streamed from its file), trainable as in one process (8-bit
-        base, in-place guard, compiled, checkpointed), with its stages' LoRA."""
+        base, in-place guard, compiled, the blocks the plan recomputes wrapped), with its stages' LoRA."""
         top = self.top
         self.cfg, self.spec = cfg, spec
         self.ranges = ranges = stage_ranges([tuple(s.blocks) for s in plan.stages])
@@ -177,7 +177,7 @@ class PipelineStepper:
                            on_weight=quantise)
         model.to(top.device)
         self.lora = stage_lora(model, cfg, spec, mine)
-        # (each rank checkpoints its own blocks that the plan recomputes)
+        # (each rank wraps its own blocks that the plan recomputes)
         self.undo = make_trainable(cfg, plan, spec, model, own_paths, quantise, log)
         self.model = model
         self.params = [p for _, p in lora_params(self.lora)]
@@ -209,7 +209,7 @@ class PipelineStepper:
             group.update(saved)
 
     # -- each step ---------------------------------------------------------------------------
-    def backward(self, ks: list[int], features, micro_batches) -> float:
+    def forward_backward(self, ks: list[int], features, micro_batches) -> float:
         """This replica's share of the step's micro-batches through the pipeline; every replica's
         gradients summed in micro-batch order. The loss is this rank's part (see `agree`)."""
         top = self.top
@@ -224,27 +224,26 @@ class PipelineStepper:
     def clip(self, max_norm: float) -> None:
         clip_pipeline(self.params, max_norm, self.top)
 
-    def agree(self, loss: float, due: bool) -> tuple[float, bool, int]:
-        """Every rank learns the step's loss (the last stages' sum), whether rank 0 is due to save,
-        and whether a signal reached any rank."""
+    def agree(self, step: int, loss: float, due: bool) -> tuple[float, bool, DistributedStop | None]:
+        """Every rank learns the step's loss (the last stages' sum), whether rank 0 is due to save, and
+        whether a signal reached any rank: then every rank gets the same stop, at this step."""
         top, flags = self.top, self.flags
         control = torch.tensor([loss], dtype=torch.float64, device=top.device)   # (NCCL: device tensors)
         dist.all_reduce(control)
         flag = torch.tensor([flags.signum, top.rank + 1 if flags.signum else 0, int(due and self.lead)],
                             dtype=torch.int64, device=top.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        flag = flag.cpu()
-        self.stop_signal, self.stopped_by = int(flag[0]), int(flag[1]) - 1
-        return float(control[0]), bool(flag[2]), self.stop_signal
+        signum, by, due_on_lead = (int(x) for x in flag.cpu())
+        stop = DistributedStop(signum, top.rank, by - 1, step) if signum else None
+        return float(control[0]), bool(due_on_lead), stop
 
     def stop_guard(self):
         return self.flags
 
-    def stopped(self, step: int, out: Path) -> DistributedStop:
-        name = signal.Signals(self.stop_signal).name
-        return DistributedStop(f"rank {self.top.rank}: stopped by {name} on rank {self.stopped_by} after step {step}: "
-                               f"checkpoint and LoRA saved in {out} by rank 0; continue with the same torchrun "
-                               f"command and --resume {out}", self.stop_signal)
+    def can_save_after(self, stop: BaseException) -> bool:
+        # only the stop every rank took together: after an error on one rank the others cannot join its
+        # save, and the run resumes from its last periodic checkpoint
+        return isinstance(stop, DistributedStop)
 
     def validation(self, features, picks: list[int]) -> float:
         return validation_loss(self.cfg, self.spec, self.stages, self.top, features.latents, features.contexts, picks)

@@ -9,6 +9,7 @@ names), gloo on the CPU: `process_group_choice`.
 from __future__ import annotations
 
 import os
+import signal
 from dataclasses import dataclass, field
 
 import torch
@@ -19,12 +20,14 @@ from ..train.errors import TrainingError
 
 
 class DistributedStop(KeyboardInterrupt):
-    """A signal stopped the run on some rank; every rank saved with the others and ends with this
-    sentence. `signum`: the signal."""
+    """Signal `signum` reached rank `stopped_by`, and every rank stops after step `step` with the same
+    stop, so that they save the completed steps together. `rank`: the rank that raised it."""
+    told = True        # the front end ends each rank with its own sentence: the loop adds none
 
-    def __init__(self, message: str, signum: int):
-        super().__init__(message)
-        self.signum = signum
+    def __init__(self, signum: int, rank: int, stopped_by: int, step: int):
+        name = signal.Signals(signum).name
+        super().__init__(f"rank {rank}: stopped by {name} on rank {stopped_by} after step {step}")
+        self.signum, self.rank, self.stopped_by, self.step = signum, rank, stopped_by, step
 
 
 # --------------------------------------------------------------------------------------------

@@ -244,7 +244,7 @@ class TrainConfig:
         is planned as compiled (what it does on a CUDA GPU with Triton; it says so where it cannot)."""
         held = "fp8" if self.base_compute in ("fp8", "int8") else self.weight_dtype     # (auto: the planner's)
         return Workload(width=self.resolution, height=self.resolution, frames=self.frames, batch=self.batch,
-                        rank=self.rank, recompute=self.recompute, weight_dtype=held,
+                        rank=self.rank, recompute=self.recompute, held_dtype=held,
                         compiled=self.compile != "off", base_compute=self.base_compute)
 
 

@@ -1,10 +1,11 @@
 """The training loop: dataset -> cached features -> plan -> trainable model -> steps -> LoRA.
 
 Read `train()` top to bottom: it is the whole story, for one process and for every rank of a
-distributed run alike. What differs between those is the stepper (`stepper.py` for one process,
-`ugpum.distributed.stepper` for torchrun): where the model lives and how one step's micro-batches
-run. Everything else here is the same for both: the run folder, the learning rate, metrics, saves,
-validation, samples and what is kept when a run stops.
+distributed run alike. What differs between those is the stepper (`engine.Stepper`: `stepper.py`
+for one process, `ugpum.distributed.stepper` for a rank of torchrun): where the model lives and how
+one step's micro-batches run. Everything else here is the same for both: the run folder, the
+learning rate, metrics, saves, validation, samples and what is kept when a run stops (one path:
+the handler in `RunState.run_steps`).
 """
 from __future__ import annotations
 
@@ -21,9 +22,11 @@ from ..arch import get_spec
 from ..compile import compile_stats
 from ..formats.atomic import append_line, write_json_atomic
 from ..plan import Plan
+from ..wording import setting
 from .batches import Features, MicroBatches, encode_features
 from .config import TrainConfig
 from .divergence import check_step
+from .engine import Stepper
 from .errors import RunExists, TrainingError  # noqa: F401 (the engine's errors, importable from here)
 from .objective import validation_picks
 from .prepare import lr_factor, make_optimizer, plan_for, prepare_model  # noqa: F401 (bench, tests)
@@ -31,7 +34,7 @@ from .progress import Progress
 from .run_folder import OpenedRun, earlier_run, keep_metrics_until, open_run  # noqa: F401 (the nodes)
 from .run_lock import hold_run_folder
 from .samples import Samples
-from .stepper import LocalStepper
+from .stepper import OneProcessStepper
 from .stopping import stop_on_sigterm, stopped_note
 
 
@@ -66,17 +69,18 @@ def _quiet(*_args, **_kwargs) -> None:
 
 
 def train(cfg: TrainConfig, out: str | Path, model: torch.nn.Module, encoders, key_prefix: str = "",
-          resume: bool = False, overwrite: bool = False, plan: Plan | None = None, stepper=None,
+          resume: bool = False, overwrite: bool = False, plan: Plan | None = None, stepper: Stepper | None = None,
           inputs: dict | None = None, **hooks) -> TrainResult:
     """Train `cfg`'s LoRA on `model` (ComfyUI's DiT module, on the meta device to be streamed from
     `cfg.model_file`, or with weights) with `encoders`, into `out`. `plan`: the one the Partition
     Planner showed; None plans here, with the same function. `resume` continues the run in `out` (only
     the same run); a new run never replaces an earlier one unless `overwrite`. `stepper`: the engine
-    (default: this process, `LocalStepper`). `inputs`: what the front end loaded the run from (file paths,
-    JSON-ready), recorded in each checkpoint so that a resume can load the same. `hooks`: `Hooks`' fields. Every way the run ends keeps
-    every completed step: a checkpoint, and the LoRA so far. The run folder is locked for the run's
-    life (another run into it is refused), and SIGTERM stops every phase as Ctrl-C does."""
-    out, stepper, log = Path(out), stepper or LocalStepper(plan), hooks.get("log", print)
+    (`engine.Stepper`; default: this process, `OneProcessStepper`). `inputs`: what the front end loaded
+    the run from (file paths, JSON-ready), recorded in each checkpoint so that a resume can load the
+    same. `hooks`: `Hooks`' fields. Every way the run ends keeps every completed step: a checkpoint, and
+    the LoRA so far. The run folder is locked for the run's life (another run into it is refused), and
+    SIGTERM stops every phase as Ctrl-C does."""
+    out, stepper, log = Path(out), stepper or OneProcessStepper(plan), hooks.get("log", print)
     with contextlib.ExitStack() as held:
         if stepper.lead:
             held.enter_context(hold_run_folder(out, log))
@@ -90,7 +94,7 @@ def train(cfg: TrainConfig, out: str | Path, model: torch.nn.Module, encoders, k
 
 
 def _train(cfg: TrainConfig, out: Path, model, encoders, key_prefix: str, resume: bool, overwrite: bool,
-           stepper, inputs: dict | None, hooks: dict) -> TrainResult:
+           stepper: Stepper, inputs: dict | None, hooks: dict) -> TrainResult:
     spec, h = get_spec(cfg.model), Hooks(**hooks)
     say = h.log if stepper.lead else _quiet
 
@@ -134,7 +138,7 @@ class RunState:
     run: OpenedRun
     features: Features
     plan: Plan
-    stepper: object
+    stepper: Stepper
     optimizer: torch.optim.Optimizer
     samples: Samples | None
     hooks: Hooks
@@ -161,7 +165,7 @@ class RunState:
             return (f"\nstopped after the last step ({self.step}), once its LoRA was saved: {out} keeps "
                     f"{name}.safetensors and its checkpoint; the run is complete")
         return (f"\nstopped at step {self.step}, just after its save: {out} keeps the checkpoint and the LoRA of "
-                f"step {self.step}; continue with --resume {out}")
+                f"step {self.step}; continue with {setting('resume', out)}")
 
     def partial_name(self) -> str:
         done = self.step == self.cfg.steps
@@ -189,15 +193,12 @@ class RunState:
                     self.samples.take(self.step)                     # "after"
                     grid = self.samples.before_after(self.step)
         except BaseException as stop:
-            # Ctrl-C, SIGTERM, ComfyUI's Cancel or an error: keep what the completed steps trained, then stop
-            # (not again when the error was this very save finding the disk full)
-            if self.step > self.saved and stepper.saves_on_error and getattr(stop, "save_step", None) != self.step:
-                partial = self.save(self.partial_name(), stopping=True)
-                self.say(f"\nstopped at step {self.step}: checkpoint and LoRA saved in {self.run.out}; "
-                         f"continue with --resume {self.run.out}")
-                stop.told = True
-                if self.hooks.on_partial_lora and partial is not None:
-                    self.hooks.on_partial_lora(partial)
+            # The one way a run stops: Ctrl-C, SIGTERM, ComfyUI's Cancel, an error, or the stop every rank took
+            # together. Keep what the completed steps trained where the stepper can, then stop (not again when
+            # the error was this very save finding the disk full).
+            this_save_failed = getattr(stop, "save_step", None) == self.step
+            if self.step > self.saved and stepper.can_save_after(stop) and not this_save_failed:
+                self.keep_completed_steps(stop)
             elif self.step == self.saved > self.run.start and stepper.lead and not getattr(stop, "told", False):
                 # right after a save: all it trained is kept
                 self.say(self.after_save_note())
@@ -206,6 +207,17 @@ class RunState:
         return TrainResult(lora_path, self.step, self.losses, self.plan, self.features.hits, self.features.misses,
                            before, after, peak, self.samples.paths if self.samples else [], grid,
                            resumed_at=self.run.start)
+
+    def keep_completed_steps(self, stop: BaseException) -> None:
+        """Save the steps completed before `stop`, and say so (unless the stop carries its own sentence)."""
+        partial = self.save(self.partial_name(), stopping=True)
+        if not getattr(stop, "told", False):
+            out = self.run.out
+            self.say(f"\nstopped at step {self.step}: checkpoint and LoRA saved in {out}; "
+                     f"continue with {setting('resume', out)}")
+            stop.told = True
+        if self.hooks.on_partial_lora and partial is not None:
+            self.hooks.on_partial_lora(partial)
 
     def train_steps(self) -> None:
         """The optimizer steps from the run's start to cfg.steps, with periodic saves and samples."""
@@ -222,7 +234,7 @@ class RunState:
             if h.check_interrupt:
                 h.check_interrupt()
             ks = [self.step * cfg.grad_accum + j for j in range(cfg.grad_accum)]
-            loss = stepper.backward(ks, self.features, micro_batches)
+            loss = stepper.forward_backward(ks, self.features, micro_batches)
             check_step(self.step + 1, loss, stepper.params, cfg)     # NaN or inf: stop before applying it
             if cfg.max_grad_norm:
                 stepper.clip(cfg.max_grad_norm)
@@ -231,15 +243,12 @@ class RunState:
             self.step += 1
             due = bool(cfg.save_every and self.step % cfg.save_every == 0) or \
                 bool(cfg.save_every_minutes and time.monotonic() - last_save >= 60 * cfg.save_every_minutes)
-            loss, due, signum = stepper.agree(loss, due)
+            loss, due, stop = stepper.agree(self.step, loss, due)
             self.losses.append(loss)
             if stepper.lead:
                 self.record(loss, time.perf_counter() - t0)
                 progress.update(self.step, loss)
-            if signum:                        # a signal on some rank: every rank saves and stops together
-                self.save(self.partial_name(), stopping=True)
-                stop = stepper.stopped(self.step, self.run.out)
-                stop.told = True              # (its own sentence says what is kept)
+            if stop is not None:              # a signal on some rank: every rank stops here, once the step is logged
                 raise stop
             if self.step == self.run.start + 1 and compile_stats().graphs:      # what the first step compiled
                 self.say(compile_stats().line())

@@ -1,5 +1,5 @@
 """Everything a run needs before its first step, for both engines: the plan, the blocks made
-trainable (8-bit base, in-place guard, compiled, checkpointed), the optimizer and its learning rate.
+trainable (8-bit base, in-place guard, compiled, recomputed blocks wrapped), the optimizer and its learning rate.
 A setting an engine cannot honour is refused here, by name, before any weight is loaded."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 from ..arch import get_spec
 from ..base_compute import QuantiseAsLoaded, check_devices, use_8bit_base
-from ..checkpointing import checkpoint_blocks
+from ..recompute import recompute_blocks
 from ..compile import compile_blocks
 from ..devices import resolve_devices
 from ..forecast import recompute_line
@@ -66,8 +66,7 @@ def make_trainable(cfg: TrainConfig, plan: Plan, spec, model, block_paths: list[
                    quantised: QuantiseAsLoaded | None, log=print) -> Callable[[], None]:
     """After the LoRA is attached to `block_paths`: the base in the plan's base compute (unless quantised
     as it loaded), residuals safe to differentiate, the blocks compiled (`compile`), then the ones the plan
-    recomputes
-    checkpointed (checkpointing wraps the compiled forward). Returns undo()."""
+    recomputes wrapped to recompute in backward (around the compiled forward). Returns undo()."""
     if quantised is not None:
         log(quantised.summary())
         undo_8bit = lambda: None                 # noqa: E731 - nothing to put back: the model is dropped after
@@ -76,12 +75,12 @@ def make_trainable(cfg: TrainConfig, plan: Plan, spec, model, block_paths: list[
     recomputed = recomputed_paths(plan, spec, block_paths)
     guards = guard_inplace_residuals(model, include_rms=False)
     undo_compile = compile_blocks(model, block_paths, cfg.compile, log)
-    undo_ckpt = checkpoint_blocks(model, recomputed)
+    undo_recompute = recompute_blocks(model, recomputed)
     log(f"recompute: {len(recomputed)} of {len(block_paths)} blocks recomputed in backward, the rest keep their "
         "activations" if len(recomputed) < len(block_paths) else "recompute: every block recomputed in backward")
 
     def undo():
-        undo_ckpt()
+        undo_recompute()
         undo_compile()
         for g in guards:
             g.remove()

@@ -1,11 +1,9 @@
-"""The single-process engine behind `train()`: the model placed by the plan on this machine's
-devices (split over its GPUs, blocks swapped from host memory where they do not fit), each step's
+"""The one-process engine behind `train()`: the model placed by the plan on this machine's devices
+(split over its GPUs, blocks swapped from host memory where they do not fit), each step's
 micro-batches pipelined over its stages (`ugpum.pipeline.accumulate`).
 
-A stepper is what `ugpum.train.loop.train` drives; the distributed engine
-(`ugpum.distributed.stepper`) answers the same calls for one rank of a torchrun job. The calls, in
-the order the loop makes them: share, make_plan, plan_record, encoders, prepare, load, backward,
-clip, agree, validation, save, finish."""
+A stepper keeps the contract `engine.Stepper` writes down: what `ugpum.train.loop.train` asks of
+its engine. The torchrun engine (`ugpum.distributed.stepper`) keeps it for one rank of a job."""
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
@@ -20,11 +18,11 @@ from .run_folder import save_run
 from .stopping import stop_on_sigterm
 
 
-class LocalStepper:
+class OneProcessStepper:
+    """Every device of the plan in this process (`engine.Stepper`)."""
     name = "one process"
     lead = True                    # this process reads the data and writes the run folder
     can_sample = True
-    saves_on_error = True          # any exception: the completed steps are saved before it propagates
 
     def __init__(self, plan=None):
         self.plan = plan           # the one the Partition Planner showed; None: planned here
@@ -52,7 +50,7 @@ class LocalStepper:
     def load(self, checkpoint, optimizer) -> None:
         load_checkpoint(checkpoint, self.lora, optimizer)
 
-    def backward(self, ks: list[int], features, micro_batches) -> float:
+    def forward_backward(self, ks: list[int], features, micro_batches) -> float:
         """Forward and backward of the micro-batches `ks`, their LoRA gradients summed in order; the
         step's loss (each micro-batch's mean loss / grad_accum, summed)."""
         cfg = self.cfg
@@ -66,12 +64,15 @@ class LocalStepper:
     def clip(self, max_norm: float) -> None:
         torch.nn.utils.clip_grad_norm_(self.params, max_norm)
 
-    def agree(self, loss: float, due: bool) -> tuple[float, bool, int]:
-        """(loss, a save due, a stop signal) as every process of the run sees them: here, as they are."""
-        return loss, due, 0
+    def agree(self, step: int, loss: float, due: bool) -> tuple[float, bool, None]:
+        """(loss, a save due, no stop): one process agrees with itself; a signal has raised already."""
+        return loss, due, None
 
     def stop_guard(self) -> AbstractContextManager:
-        return stop_on_sigterm()
+        return stop_on_sigterm()   # a signal raises where it lands, Ctrl-C and SIGTERM alike
+
+    def can_save_after(self, stop: BaseException) -> bool:
+        return True                # every stop and error: the completed steps are saved before it goes on
 
     def validation(self, features, picks: list[int]) -> float:
         return validation_loss(self.model, self.spec, self.cfg, features.latents, features.contexts,

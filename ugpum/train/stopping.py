@@ -13,6 +13,7 @@ import contextlib
 import signal
 
 from ..startup import signals_handled
+from ..wording import setting
 
 
 class Stopped(KeyboardInterrupt):
@@ -58,6 +59,7 @@ def stopped_note(out, resume: bool = False) -> str:
     checkpoint = latest_checkpoint(out)
     if checkpoint is not None:
         return (f"stopped before any new step was trained: {out} keeps its checkpoint {checkpoint.name}; "
-                f"continue with --resume {out}")
+                f"continue with {setting('resume', out)}")
+    again = f"the same command (without {setting('resume')})" if resume else "the same command"
     return (f"stopped before the first step: nothing was trained; the features cached so far are kept, so "
-            f"the same command{' (without --resume)' if resume else ''} starts again from them")
+            f"{again} starts again from them")

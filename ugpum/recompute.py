@@ -1,4 +1,5 @@
-"""Per-block gradient checkpointing: keep only each block's input, recompute inside in backward."""
+"""Per-block recompute: keep only each block's input, and run the block's forward again in backward
+(torch's activation checkpointing, `torch.utils.checkpoint`, one block at a time)."""
 from __future__ import annotations
 
 import functools
@@ -6,23 +7,23 @@ import functools
 import torch.utils.checkpoint
 from torch import nn
 
-from .inplace_guard import checkpoint_block
+from .inplace_guard import recompute_block
 
 
-def checkpoint_blocks(model: nn.Module, block_paths: list[str]) -> callable:
-    """Wrap each block's forward in `checkpoint_block`; returns a function that undoes it.
+def recompute_blocks(model: nn.Module, block_paths: list[str]) -> callable:
+    """Wrap each block's forward in `recompute_block`; returns a function that undoes it.
 
     Placement hooks run in `Module.__call__`, outside the wrapped forward, so routing happens once
     and is not repeated during recomputation. FLUX.2 blocks also need `guard_inplace_residuals`.
     A forward compiled by `ugpum.compile` copies its inputs inside its graph and so never writes into
-    them: it is checkpointed as it is, without `checkpoint_block`'s eager copies (two per tensor
+    them: it is recomputed as it is, without `recompute_block`'s eager copies (two per tensor
     argument and block, forward and recomputation).
     """
     originals = {}
     for path in block_paths:
         block = model.get_submodule(path)
         originals[path] = inner = block.forward
-        run = _checkpoint_as_is if getattr(inner, "_ugpum_compiled", False) else checkpoint_block
+        run = _recompute_as_is if getattr(inner, "_ugpum_compiled", False) else recompute_block
 
         @functools.wraps(inner)
         def wrapped(*args, _inner=inner, _run=run, **kwargs):
@@ -36,6 +37,6 @@ def checkpoint_blocks(model: nn.Module, block_paths: list[str]) -> callable:
     return undo
 
 
-def _checkpoint_as_is(forward, *args, **kwargs):
+def _recompute_as_is(forward, *args, **kwargs):
     # kwargs stay in the closure so that block keywords never collide with checkpoint()'s own
     return torch.utils.checkpoint.checkpoint(lambda *a: forward(*a, **kwargs), *args, use_reentrant=False)
