@@ -254,8 +254,8 @@ def build_encoders(cfg: TrainConfig, files: ModelFiles | None, bridge=None):
 def run_training(cfg: TrainConfig, out: str | Path, files: ModelFiles | None = None, comfyui=None, **hooks):
     """One training run from the command line (or a test, or the demo): the ComfyUI to use (`comfyui`,
     as `find_comfyui` found it; default: the one it finds), the DiT, the encoders, then the engine.
-    `hooks` go to `ugpum.train.loop.train` (resume, log, inputs, ...); the settings the run log names are
-    worded as `train`'s flags."""
+    `hooks` go to `ugpum.train.loop.train` (resume, log, inputs, ...); a `log` words the settings the
+    run log marks (`prog.printer`)."""
     from ..train.loop import train
     bridge = comfy_bridge()
     import torch
@@ -265,10 +265,8 @@ def run_training(cfg: TrainConfig, out: str | Path, files: ModelFiles | None = N
         cfg.model_file = str(files.dit)
     encoders = build_encoders(cfg, files, bridge)
     model, key_prefix = build_model(cfg, bridge)
-    log = hooks.pop("log", print)
     with bridge.comfy_training_mode():
-        return train(cfg, out, model=model, encoders=encoders, key_prefix=key_prefix,
-                     log=lambda line: log(for_cli(str(line), "train")), **hooks)
+        return train(cfg, out, model=model, encoders=encoders, key_prefix=key_prefix, **hooks)
 
 
 def check_out_folder(out: str, flag: str) -> None:

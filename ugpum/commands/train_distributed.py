@@ -20,7 +20,6 @@ def run_distributed_training(cfg: TrainConfig, out: str | Path, files, build_mod
     import torch.distributed as dist
     from ..distributed.stepper import TorchrunRankStepper
     from ..train.loop import train
-    from ..wording import for_cli
     from .bridge import comfy_bridge
     cpu = all(d == "cpu" for d in cfg.devices) or not torch.cuda.is_available()
     bridge = comfy_bridge()
@@ -32,7 +31,7 @@ def run_distributed_training(cfg: TrainConfig, out: str | Path, files, build_mod
         model, key_prefix = build_model(cfg, bridge)
         with bridge.comfy_training_mode():
             return train(cfg, out, model, None, key_prefix, resume=resume, overwrite=overwrite, stepper=stepper,
-                         inputs=inputs, log=lambda line: log(for_cli(str(line), "train")))     # marks as flags
+                         inputs=inputs, log=log)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
