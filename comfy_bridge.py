@@ -396,7 +396,7 @@ class ComfyEncoders:
 
     A text encoder too large for the first GPU is split over `devices` (specs such as "cuda:0" or
     "auto", or `Device`s; None: every GPU) from the first caption on, until the first image is
-    encoded or `release` (ugpum/text_encoder_split.py)."""
+    encoded or `release` (ugpum/planning/text_encoder_split.py)."""
 
     def __init__(self, clip, vae, family: str, devices=None):
         import comfy.latent_formats
@@ -447,7 +447,7 @@ class ComfyEncoders:
         GPUs (all free before the DiT is placed); it stays so for the following captions."""
         if self._text_planned:
             return
-        from ugpum.text_encoder_split import gpus_for_caching, split_text_encoder
+        from ugpum.planning.text_encoder_split import gpus_for_caching, split_text_encoder
         self._text_planned = True
         free_comfy_memory()                         # the VAE and anything else ComfyUI holds: the
         devices = gpus_for_caching(self.devices)    # budgets are measured after

@@ -1,8 +1,8 @@
-"""The planner's coefficients (ugpum/calibration.json), fitted to runs of `python -m ugpum train` on a GPU
+"""The planner's coefficients (ugpum/planning/calibration.json), fitted to runs of `python -m ugpum train` on a GPU
 (issue 29): the rows bench/cards.py writes, with what each block kept read off the allocator.
 
     python bench/calibration_fit.py                  # print the coefficients and each row's forecast error
-    python bench/calibration_fit.py --write          # and write ugpum/calibration.json
+    python bench/calibration_fit.py --write          # and write ugpum/planning/calibration.json
 
 Rows: bench/results/calibration_fit.jsonl (`bash bench/calibration_session.sh OUT fit fitwan` on the device) and
 bench/results/calibration.json (`... klein`: the planner's picks on cards, made after the first fit; each such
@@ -32,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from ugpum import cost  # noqa: E402
+from ugpum.planning import cost  # noqa: E402
 from ugpum.arch import Workload, get_spec  # noqa: E402
 from support import recorded_forecasts  # noqa: E402
 # a row's workload, its hidden-state size and its kept blocks, read as the test holding the planner reads them
@@ -175,13 +175,13 @@ def time_table(rows: list[dict]) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", nargs="+", default=ROWS)
-    p.add_argument("--write", action="store_true", help="write ugpum/calibration.json")
+    p.add_argument("--write", action="store_true", help="write ugpum/planning/calibration.json")
     a = p.parse_args(argv)
     rows = [json.loads(line) for name in a.rows if Path(name).exists()
             for line in Path(name).read_text().splitlines() if line.strip()]
     fitted = [r for r in rows if r.get("block_kept_mib")]
     calibration = {
-        "about": "the planner's measured coefficients (ugpum/cost.py reads them); memory in hidden-state units "
+        "about": "the planner's measured coefficients (ugpum/planning/cost.py reads them); memory in hidden-state units "
                  "(ArchSpec.boundary_bytes), time as shares of the device's measured bf16 matmul rate",
         "made_by": "python bench/calibration_fit.py --write",
         "rows": [str(Path(n).resolve().relative_to(ROOT)) if Path(n).resolve().is_relative_to(ROOT) else n for n in a.rows],

@@ -7,7 +7,7 @@ at a smaller card's memory and device detection reporting that card, one case pe
 The run goes through the CLI's own `main(["train", "--config", TOML, ...])` in this process: the same
 planning, streaming, 8-bit quantising, swap, compile and step loop a user gets. Around it this script only
 (1) caps the allocator (`torch.cuda.set_per_process_memory_fraction`) at the card's memory minus the CUDA
-context a real card spends (`ugpum.plan.CUDA_CONTEXT`), (2) has `detect_devices` report the capped card,
+context a real card spends (`ugpum.planning.plan.CUDA_CONTEXT`), (2) has `detect_devices` report the capped card,
 (3) records the plan the run made, and (4) samples the SM clock and power (nvidia-smi) while it trains.
 One JSON row per case is appended to --rows: model, card_gib (null: unconstrained), base_compute (what ran),
 s_per_step (median after the first two steps: compile and warm-up), peak_gib (allocator peak of the whole
@@ -59,8 +59,8 @@ DETECTED: list = []       # the devices the run was planned for (rate and link: 
 def cap_card(card_gib: float | None):
     """Cap cuda:0's allocator at the card's memory minus its CUDA context; `detect_devices` then reports
     that card (same speed and link as the real GPU, the card's memory). None: unconstrained."""
-    import ugpum.devices as devices
-    from ugpum.plan import CUDA_CONTEXT
+    import ugpum.planning.devices as devices
+    from ugpum.planning.plan import CUDA_CONTEXT
     real = devices.detect_devices
     budget = None
     if card_gib is not None:
@@ -81,7 +81,7 @@ def cap_card(card_gib: float | None):
 def record_plans(kept: list, variant: str = ""):
     """Keep every plan that `plan_training` returns (the run's plan is the last one made before training);
     with `variant`, each is first turned into that neighbour of the planner's pick (`neighbour`)."""
-    import ugpum.plan as plan_module
+    import ugpum.planning.plan as plan_module
     original = plan_module.plan_training
 
     depth = [0]                  # (base compute auto plans bf16 through the same function: the outer call counts)
@@ -97,7 +97,7 @@ def record_plans(kept: list, variant: str = ""):
         kept.append(plan)
         return plan
     plan_module.plan_training = recorded
-    for name in ("ugpum.train.prepare", "ugpum.train.loop", "ugpum.forecast"):
+    for name in ("ugpum.train.prepare", "ugpum.train.loop", "ugpum.planning.forecast"):
         module = sys.modules.get(name) or __import__(name, fromlist=["_"])
         if getattr(module, "plan_training", None) is original:
             module.plan_training = recorded
@@ -109,7 +109,7 @@ def neighbour(plan, variant: str, spec, devices):
     swap candidate of that size, its kept blocks then chosen as the planner chooses them), forecast as the
     planner forecasts any set. A neighbour may not fit the card: the run then says so by running out."""
     from ugpum.arch import Workload
-    from ugpum.plan import GIB, StageCosts, budget_bytes
+    from ugpum.planning.plan import GIB, StageCosts, budget_bytes
     (stage,) = plan.stages
     fields = {k: v for k, v in plan.workload.items() if k in Workload.__dataclass_fields__}
     costs = StageCosts(spec, devices[:1], Workload(**fields), plan.in_flight)

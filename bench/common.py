@@ -32,7 +32,7 @@ def add_workload_arguments(p: argparse.ArgumentParser, steps: int, warmup: int) 
     p.add_argument("--frames", type=int, default=1, help="Wan video frames (4k+1)")
     p.add_argument("--text-tokens", type=int, default=512)
     p.add_argument("--rank", type=int, default=16, help="LoRA rank")
-    p.add_argument("--compile", choices=["off", "on"], default="off", help="compiled blocks (ugpum.compile)")
+    p.add_argument("--compile", choices=["off", "on"], default="off", help="compiled blocks (ugpum.compute.compile)")
 
 
 def checkpoint_path(args, spec) -> Path:
@@ -83,7 +83,7 @@ def sync(device: str) -> None:
 
 
 def real_device(device: str):
-    from ugpum.devices import detect_devices, host_device
+    from ugpum.planning.devices import detect_devices, host_device
     if device == "cpu":
         return host_device()
     index = torch.device(device).index or 0
@@ -96,7 +96,7 @@ def real_device(device: str):
 def capped_device(real, cap_gib: float):
     """`real` with the memory of a `cap_gib` card: a real card's CUDA context takes its share of that
     (`plan.CUDA_CONTEXT`), so the allocator gets cap - context and the planner plans for the same."""
-    from ugpum.plan import CUDA_CONTEXT
+    from ugpum.planning.plan import CUDA_CONTEXT
     cap = int(cap_gib * GIB)
     context = CUDA_CONTEXT if (real.torch_device or "").startswith("cuda") else 0
     return dataclasses.replace(real, label=f"{real.label} capped at {cap_gib:g} GiB", total_bytes=cap,
@@ -131,10 +131,10 @@ def lora_training_setup(model, spec, w, compile: str = "off"):
     """What every GPU bench trains: FLUX.2's in-place guard, per-block checkpointing and LoRA of rank
     `w.rank` on every block linear, the blocks compiled first when `compile` is on. Returns (guards, undo
     checkpointing and compilation, the LoRA set, its parameters)."""
-    from ugpum.recompute import recompute_blocks
-    from ugpum.compile import compile_blocks
-    from ugpum.inplace_guard import guard_inplace_residuals
-    from ugpum.lora import attach_lora, lora_targets
+    from ugpum.compute.recompute import recompute_blocks
+    from ugpum.compute.compile import compile_blocks
+    from ugpum.compute.inplace_guard import guard_inplace_residuals
+    from ugpum.compute.lora import attach_lora, lora_targets
     block_paths = [b.path for b in spec.blocks]
     guards = guard_inplace_residuals(model, include_rms=False)
     undo_compile = compile_blocks(model, block_paths, compile)

@@ -29,12 +29,12 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from comfy_bridge import build_meta, comfy_training_mode, find_comfyui_or_raise, import_comfy  # noqa: E402
 from ugpum.arch import Workload, get_spec  # noqa: E402
-from ugpum.recompute import recompute_blocks  # noqa: E402
-from ugpum.compile import compile_blocks  # noqa: E402
-from ugpum.inplace_guard import guard_inplace_residuals  # noqa: E402
-from ugpum.pipeline import SCHEDULES, accumulate  # noqa: E402
-from ugpum.place import Layout, place  # noqa: E402
-from ugpum.lora import attach_lora, lora_targets  # noqa: E402
+from ugpum.compute.recompute import recompute_blocks  # noqa: E402
+from ugpum.compute.compile import compile_blocks  # noqa: E402
+from ugpum.compute.inplace_guard import guard_inplace_residuals  # noqa: E402
+from ugpum.placement.pipeline import SCHEDULES, accumulate  # noqa: E402
+from ugpum.placement.place import Layout, place  # noqa: E402
+from ugpum.compute.lora import attach_lora, lora_targets  # noqa: E402
 
 GIB = 1024 ** 3
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
@@ -227,7 +227,7 @@ def main():
     p.add_argument("--cut", type=int, default=0, help="first block of stage 2 (default: the middle)")
     p.add_argument("--no-profile", action="store_true")
     p.add_argument("--compile", choices=["off", "on"], default="off",
-                   help="compiled blocks (ugpum.compile); results go to pipeline_compiled.json/.md")
+                   help="compiled blocks (ugpum.compute.compile); results go to pipeline_compiled.json/.md")
     args = p.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)

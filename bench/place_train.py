@@ -34,15 +34,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from comfy_bridge import build_meta  # noqa: E402
 from ugpum.arch import get_spec, recognise, Workload  # noqa: E402
-from ugpum.recompute import recompute_blocks  # noqa: E402
-from ugpum.devices import detect_devices, host_device  # noqa: E402
-from ugpum.inplace_guard import guard_inplace_residuals  # noqa: E402
-from ugpum.place import Layout, place  # noqa: E402
-from ugpum.plan import make_plan  # noqa: E402
+from ugpum.compute.recompute import recompute_blocks  # noqa: E402
+from ugpum.planning.devices import detect_devices, host_device  # noqa: E402
+from ugpum.compute.inplace_guard import guard_inplace_residuals  # noqa: E402
+from ugpum.placement.place import Layout, place  # noqa: E402
+from ugpum.planning.plan import make_plan  # noqa: E402
 from ugpum.commands.plan import resolution as _resolution  # noqa: E402
 from ugpum.formats.safetensors_writer import write_streaming  # noqa: E402
-from ugpum.lora import attach_lora, lora_targets  # noqa: E402
-from ugpum.diffusion.render_prompt import guidance_for  # noqa: E402
+from ugpum.compute.lora import attach_lora, lora_targets  # noqa: E402
+from ugpum.render.prompt import guidance_for  # noqa: E402
 
 GIB = 1024 ** 3
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "fp32": torch.float32}

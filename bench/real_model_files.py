@@ -1,7 +1,7 @@
 """Full-size FLUX.2 [klein] 9B model files with random weights, in the layouts ComfyUI loads.
 
 Writes into a ComfyUI models folder, under the names `python -m ugpum download klein-9b-1024` uses
-(ugpum/models_catalog.py), so the stock loaders and UGPUM's Loader find them as they would the real ones:
+(ugpum/catalog/models.py), so the stock loaders and UGPUM's Loader find them as they would the real ones:
 
 * ``diffusion_models/flux-2-klein-base-9b.safetensors`` — the DiT the klein profiles train on (the base
   model), hard-linked as ``flux-2-klein-9b.safetensors`` (the distilled DiT the workflow renders with: the

@@ -6,7 +6,7 @@
 
 Ours: ComfyUI's DiT streamed from a random-weight safetensors file onto the GPU (as bench/place_train.py),
 LoRA r16 on every block Linear, per-block checkpointing, AdamW, bf16 autocast, batch 1, in each base
-compute mode (bf16 / fp8 / int8, ugpum.base_compute) eager and compiled (ugpum.compile). The peer:
+compute mode (bf16 / fp8 / int8, ugpum.compute.base_compute) eager and compiled (ugpum.compute.compile). The peer:
 diffusers' Flux2Transformer2DModel / WanTransformer3DModel (random bf16 weights) + PEFT LoRA r16 on the
 same block Linears, diffusers' gradient checkpointing, eager and with torch.compile on each block.
 Appends one JSON object per measured case to OUT/speed.json (model, impl, mode, compiled, s_per_step,
@@ -28,15 +28,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from comfy_bridge import build_meta  # noqa: E402
 from ugpum.arch import Workload, recognise  # noqa: E402
-from ugpum.base_compute import use_8bit_base, supports  # noqa: E402
-from ugpum.recompute import recompute_blocks  # noqa: E402
+from ugpum.compute.base_compute import use_8bit_base, supports  # noqa: E402
+from ugpum.compute.recompute import recompute_blocks  # noqa: E402
 from ugpum.commands.plan import resolution as _resolution  # noqa: E402
-from ugpum.compile import compile_blocks, compile_stats  # noqa: E402
-from ugpum.devices import detect_devices  # noqa: E402
-from ugpum.inplace_guard import guard_inplace_residuals  # noqa: E402
-from ugpum.place import Layout, place  # noqa: E402
-from ugpum.plan import make_plan  # noqa: E402
-from ugpum.lora import attach_lora, lora_targets  # noqa: E402
+from ugpum.compute.compile import compile_blocks, compile_stats  # noqa: E402
+from ugpum.planning.devices import detect_devices  # noqa: E402
+from ugpum.compute.inplace_guard import guard_inplace_residuals  # noqa: E402
+from ugpum.placement.place import Layout, place  # noqa: E402
+from ugpum.planning.plan import make_plan  # noqa: E402
+from ugpum.compute.lora import attach_lora, lora_targets  # noqa: E402
 
 GIB = 1024 ** 3
 DEV = "cuda"

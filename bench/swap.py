@@ -8,7 +8,7 @@ it block by block) trains LoRA steps at a training shape (bf16 autocast, per-blo
 in-place guard, AdamW on the adapters):
   1. one GPU unconstrained, placed by the plan for that GPU (nothing swapped);
   2. the same GPU capped to play a smaller card (`torch.cuda.set_per_process_memory_fraction`), placed
-     by the plan for a device of that size: the planner picks the offloaded blocks, `ugpum.swap`
+     by the plan for a device of that size: the planner picks the offloaded blocks, `ugpum.placement.swap`
      streams them from pinned host memory.
 Each entry records the command, GPU, torch version, s/step (median after warm-up), peak GiB against
 the plan's forecast, bytes moved per step and copy-stream seconds, in OUT/swap.json (a list, one
@@ -60,7 +60,7 @@ def run_case(spec, plan, ckpt: Path, prefix: str, w, args, swap: bool) -> dict:
     """Place by `plan` (swapping its offloaded blocks when `swap`), train, measure, tear down."""
     from comfy_bridge import build_meta, comfy_training_mode
 
-    from ugpum.place import place, place_with_swap, swap_plan
+    from ugpum.placement.place import place, place_with_swap, swap_plan
 
     stages = [s.torch_device for s in plan.stages]
     device = stages[0]
@@ -217,7 +217,7 @@ def run_swap_bench(args) -> int:
     if cuda and not torch.cuda.is_available():
         raise ValueError(f"--device {args.device}: no CUDA here (use --device cpu for a smoke run)")
     from ugpum.arch import Workload, get_spec, recognise
-    from ugpum.plan import make_plan
+    from ugpum.planning.plan import make_plan
 
     spec = get_spec(args.model)
     ckpt = checkpoint_path(args, spec)

@@ -23,8 +23,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from comfy_bridge import find_comfyui_or_raise, import_comfy  # noqa: E402
-from ugpum.plan import GIB  # noqa: E402
-from ugpum.text_encoder_split import EncoderSizes, Slot, split_text_encoder  # noqa: E402
+from ugpum.planning.plan import GIB  # noqa: E402
+from ugpum.planning.text_encoder_split import EncoderSizes, Slot, split_text_encoder  # noqa: E402
 
 TINY = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_attention_heads=2, num_key_value_heads=1)
 

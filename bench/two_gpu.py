@@ -15,7 +15,7 @@ Cases (--cases, comma-separated, most important first; default all):
   mixed_caps       klein 9B on two GPUs capped at --mixed-caps-gib (16,8 GiB): the planner's split against an
                    even one (each stage swapping what does not fit).
   staged_copies    klein 9B split, GPU-to-GPU copies direct against staged through pinned host memory (what
-                   GeForce cards without peer access do; `ugpum.copy.staged_copies`), interleaved step by
+                   GeForce cards without peer access do; `ugpum.placement.copy.staged_copies`), interleaved step by
                    step in one process; raw copy bandwidth of both paths; LoRA gradients of both compared.
 Every entry holds, per GPU, the plan's memory forecast and the allocator's peak (the issue's case 5).
 
@@ -126,7 +126,7 @@ def case_runs(case: str, args) -> list[Run]:
         runs.append(Run(case, "swap", model, [d0], [cap], [("sequential", 1)]))
         return runs
     if case == "klein_schedules":
-        from ugpum.pipeline import SCHEDULES
+        from ugpum.placement.pipeline import SCHEDULES
         return [Run(case, "one_gpu", model, [d0], None, [("sequential", m) for m in args.micro_batches]),
                 Run(case, "split", model, [d0, d1], None,
                     [(s, m) for m in args.micro_batches for s in SCHEDULES])]
@@ -193,8 +193,8 @@ def busy_stages(plan) -> int:
 
 def resolve(spec, devices, w, requested: str, m: int, split):
     """(plan, schedule, micro-batches in flight) the way training resolves them (train/loop.py)."""
-    from ugpum.pipeline import best_schedule, in_flight
-    from ugpum.plan import make_plan
+    from ugpum.placement.pipeline import best_schedule, in_flight
+    from ugpum.planning.plan import make_plan
     plan = make_plan(spec, devices, w, grad_accum=m, split=split)
     schedule = best_schedule(plan, m) if requested == "auto" else requested
     held = in_flight(schedule, busy_stages(plan), m)
@@ -206,7 +206,7 @@ def resolve(spec, devices, w, requested: str, m: int, split):
 def memory_forecast(spec, devices, w, held: int, placed) -> list[dict[str, float]]:
     """Per stage, the plan's memory (bytes by kind) for `held` micro-batches in flight on the blocks
     and swap tier actually placed (`placed`, the plan the placement followed)."""
-    from ugpum.plan import StageCosts
+    from ugpum.planning.plan import StageCosts
     ev = StageCosts(spec, devices, w, held)
     return [ev._memory(k, s.blocks[0], s.blocks[1], tuple(s.offloaded)) for k, s in enumerate(placed.stages)]
 
@@ -215,8 +215,8 @@ def copy_bandwidth(devices: list[str], sizes: list[int], repeats: int = 5) -> di
     """GB/s of one copy between the two devices, each way, direct (`copy.direct_gpu_copy`: peer access
     where there is some) and staged through pinned host memory (`copy.staged_copy`), timed by wall
     clock (an event pair cannot span two devices); plus torch's plain copy and peer access."""
-    from ugpum.copy import direct_gpu_copy, staged_copy
-    from ugpum.devices import measure_gpu_to_gpu_gbps, peer_access_matrix
+    from ugpum.placement.copy import direct_gpu_copy, staged_copy
+    from ugpum.planning.devices import measure_gpu_to_gpu_gbps, peer_access_matrix
     pairs = [(devices[0], devices[1])] + ([(devices[1], devices[0])] if devices[0] != devices[1] else [])
     cuda = all(d.startswith("cuda") for d in devices)
 
@@ -264,9 +264,9 @@ class Measured:
 def execute_run(run: Run, args, ckpt: Path, command: str) -> list[dict]:
     """Place the model by the run's plan, time every configuration, return one entry each."""
     from ugpum.arch import get_spec, recognise
-    from ugpum.cost import block_weight_bytes
-    from ugpum.devices import gpu_to_gpu_gbps
-    from ugpum.plan import make_plan
+    from ugpum.planning.cost import block_weight_bytes
+    from ugpum.planning.devices import gpu_to_gpu_gbps
+    from ugpum.planning.plan import make_plan
 
     spec = get_spec(run.model)
     found, prefix, stored = recognise(ckpt)
@@ -354,9 +354,9 @@ def execute_run(run: Run, args, ckpt: Path, command: str) -> list[dict]:
 def measure(run: Run, args, spec, w, placed, ckpt: Path, prefix: str, resolved, variants, gpus) -> Measured:
     """Stream the model onto the devices by `placed`, add LoRA, and time each variant round by round."""
     from comfy_bridge import build_meta, comfy_training_mode
-    from ugpum.copy import staged_copies
-    from ugpum.pipeline import accumulate
-    from ugpum.place import place_by_plan
+    from ugpum.placement.copy import staged_copies
+    from ugpum.placement.pipeline import accumulate
+    from ugpum.placement.place import place_by_plan
 
     def sync():
         for d in gpus:
@@ -451,7 +451,7 @@ def measure(run: Run, args, spec, w, placed, ckpt: Path, prefix: str, resolved, 
 def check_gradients(run: Run, resolved, accumulate_step, params, opt) -> dict[str, float]:
     """Relative difference of the accumulated LoRA gradient of each of `run.grad_checks` against
     the plain path (sequential schedule, direct copies), at the run's largest m."""
-    from ugpum.copy import staged_copies
+    from ugpum.placement.copy import staged_copies
     m = max(r[1] for r in resolved)
     auto = next((r[3] for r in resolved if r[1] == m), "sequential")
 
@@ -726,7 +726,7 @@ def run_job(job: dict, args) -> dict:
     try:
         return {"entries": execute_run(run, args, Path(job["ckpt"]), job["command"])}
     except Exception as e:                 # noqa: BLE001 - a plan or placement that fails is a result too
-        from ugpum.plan import PlanError
+        from ugpum.planning.plan import PlanError
         if isinstance(e, PlanError):
             print(f"{run.name}: {e}", flush=True)
         else:
@@ -785,7 +785,7 @@ def parse_args(argv=None):
     args.devices = [d.strip() for d in args.devices.split(",") if d.strip()]
     if len(args.devices) != 2:
         p.error(f"--devices needs two devices (e.g. cuda:0,cuda:1 or cuda:0,cuda:0), got {args.devices}")
-    from ugpum.pipeline import SCHEDULES
+    from ugpum.placement.pipeline import SCHEDULES
     args.wan_schedules = [s.strip() for s in args.wan_schedules.split(",") if s.strip()]
     bad = [s for s in args.wan_schedules if s not in ("auto",) + SCHEDULES]
     if bad or not args.wan_schedules:

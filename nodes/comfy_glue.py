@@ -11,7 +11,7 @@ from comfy_bridge import ComfyEncoders, build_meta, free_comfy_memory, return_me
 
 def build_meta_model(spec, dtype: torch.dtype) -> torch.nn.Module:
     """ComfyUI's own FLUX.2 / Wan 2.1 module for `spec` on the meta device (this running ComfyUI's
-    classes); `ugpum.place` streams each block's weights from the file straight to its device."""
+    classes); `ugpum.placement.place` streams each block's weights from the file straight to its device."""
     return build_meta(spec, dtype)
 
 

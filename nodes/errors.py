@@ -10,7 +10,7 @@ import errno
 import re
 
 from ugpum.arch import UnknownModel
-from ugpum.devices import DeviceError
+from ugpum.planning.devices import DeviceError
 from ugpum.formats.safetensors_header import HeaderError
 from ugpum.wording import EngineError, for_nodes
 

@@ -7,8 +7,8 @@ import folder_paths
 from comfy_api.latest import io, ui
 
 from ugpum.arch import recognise
-from ugpum.devices import parse_device_specs
-from ugpum.plan import eight_bit_summary
+from ugpum.planning.devices import parse_device_specs
+from ugpum.planning.plan import eight_bit_summary
 
 from .errors import UGPUMError, user_errors
 from .types import UGPUM_MODEL, UGPUMModel
@@ -76,7 +76,7 @@ class UGPUMLoader(io.ComfyNode):
 def companion_files_hint(model_id: str) -> str | None:
     """For a known model: which of its text encoder and VAE files ComfyUI's folders lack, and the
     command that fetches them (the DiT itself was just picked from the list, so it is present)."""
-    from ugpum.models_catalog import MODELS
+    from ugpum.catalog.models import MODELS
     entry = MODELS.get(model_id)
     if entry is None:
         return None

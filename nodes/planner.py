@@ -5,11 +5,11 @@ from __future__ import annotations
 from comfy_api.latest import io, ui
 
 from ugpum.arch.base import RECOMPUTE_SETTINGS
-from ugpum.base_compute import SETTINGS as BASE_COMPUTE_SETTINGS
-from ugpum.devices import resolve_devices
-from ugpum.dtypes import training_dtype
-from ugpum.forecast import format_plan, plan_for_config
-from ugpum.schedules import SETTINGS as SCHEDULE_SETTINGS
+from ugpum.compute.base_compute import SETTINGS as BASE_COMPUTE_SETTINGS
+from ugpum.planning.devices import resolve_devices
+from ugpum.compute.dtypes import training_dtype
+from ugpum.planning.forecast import format_plan, plan_for_config
+from ugpum.placement.schedules import SETTINGS as SCHEDULE_SETTINGS
 from ugpum.train.config import load_config
 from ugpum.wording import for_nodes
 

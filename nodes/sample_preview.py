@@ -67,9 +67,9 @@ class SamplePreview(io.ComfyNode):
         frames = frames or plan.config.frames
         if model.spec.frames_error(frames):
             raise UGPUMError(f"{NODE}: frames = {frames}: {model.spec.frames_error(frames)}.")
-        from ugpum.dtypes import TORCH_DTYPES, training_dtype
-        from ugpum.preview import PreviewPrompt, render_on_plan
-        from ugpum.report import to_pil
+        from ugpum.compute.dtypes import TORCH_DTYPES, training_dtype
+        from ugpum.render.preview import PreviewPrompt, render_on_plan
+        from ugpum.render.report import to_pil
 
         from .comfy_glue import build_meta_model, free_comfy_memory, pil_to_image, return_memory
         from .trainer import make_encoders

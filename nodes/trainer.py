@@ -14,7 +14,7 @@ import torch
 from comfy_api.latest import io, ui
 from PIL import Image
 
-from ugpum.devices import CPU_TRAINABLE_PARAMS
+from ugpum.planning.devices import CPU_TRAINABLE_PARAMS
 from ugpum.diffusion.flow import TIMESTEP_METHODS
 from ugpum.train.dataset import IMAGE_EXTENSIONS, resolve_inside
 from ugpum.train.video import folder_has_clips
@@ -128,7 +128,7 @@ def make_config(model: UGPUMModel, plan: UGPUMPlan, dataset: Path, trigger_word:
     """The Planner's TrainConfig (ugpum/train/config.py) with this node's settings added; every path the
     dataset names must lie inside `dataset_root` (dataset_path's root). What the plan resolved (devices,
     schedule, base compute) stays in the plan, which `train` is given: the config keeps the settings."""
-    from ugpum.devices import check_trainable
+    from ugpum.planning.devices import check_trainable
     check_trainable(list(plan.devices), model.spec)
     return dataclasses.replace(
         plan.config, dataset=str(dataset), trigger=trigger_word.strip(), frame_stride=frame_stride, steps=steps,
@@ -240,9 +240,9 @@ class LoRATrainer(io.ComfyNode):
         import comfy.model_management as mm
         import comfy.utils
         from comfy_bridge import comfy_training_mode
-        from ugpum.dtypes import TORCH_DTYPES
-        from ugpum.report import loss_curve
-        from ugpum.train.checkpoint import latest_checkpoint
+        from ugpum.compute.dtypes import TORCH_DTYPES
+        from ugpum.render.report import loss_curve
+        from ugpum.train.run.checkpoint import latest_checkpoint
         from ugpum.train.loop import earlier_run, train
 
         from .comfy_glue import build_meta_model, free_comfy_memory, pil_to_image, return_memory

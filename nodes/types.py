@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from comfy_api.latest import io
 
 from ugpum.arch import ArchSpec
-from ugpum.devices import Device
-from ugpum.plan import Plan
+from ugpum.planning.devices import Device
+from ugpum.planning.plan import Plan
 from ugpum.train.config import TrainConfig
 
 UGPUM_MODEL = io.Custom("UGPUM_MODEL")

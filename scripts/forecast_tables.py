@@ -17,9 +17,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from ugpum.devices import parse_device_specs  # noqa: E402
-from ugpum.forecast import plan_for_config  # noqa: E402
-from ugpum.plan import PlanError  # noqa: E402
+from ugpum.planning.devices import parse_device_specs  # noqa: E402
+from ugpum.planning.forecast import plan_for_config  # noqa: E402
+from ugpum.planning.plan import PlanError  # noqa: E402
 from ugpum.train.config import load_config  # noqa: E402
 
 FILES = ("README.md", "docs/planner.md")

@@ -15,13 +15,13 @@ from .startup import stops_while_starting as _stops_while_starting
 
 with _stops_while_starting():       # the command line's imports: a stop is one sentence (ugpum/startup.py)
     from .arch import UnknownModel, Workload, get_spec, recognise
-    from .devices import Device, DeviceError, parse_device_specs, resolve_devices
-    from .forecast import format_plan
-    from .place import place, place_by_plan
-    from .plan import Plan, PlanError, make_plan, plan_training
+    from .planning.devices import Device, DeviceError, parse_device_specs, resolve_devices
+    from .planning.forecast import format_plan
+    from .placement.place import place, place_by_plan
+    from .planning.plan import Plan, PlanError, make_plan, plan_training
     from .train.config import ConfigError, TrainConfig, load_config
     from .train.loop import TrainResult, train
-    from .lora import attach_lora
+    from .compute.lora import attach_lora
     from .wording import EngineError
 
 __all__ = ["ConfigError", "Device", "DeviceError", "EngineError", "Plan", "PlanError", "TrainConfig", "TrainResult",

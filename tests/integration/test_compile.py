@@ -1,4 +1,4 @@
-"""Regional compilation (ugpum.compile) on ComfyUI's own tiny FLUX.2 and Wan 2.1, on the CPU (inductor's
+"""Regional compilation (ugpum.compute.compile) on ComfyUI's own tiny FLUX.2 and Wan 2.1, on the CPU (inductor's
 C++ backend): LoRA gradients with and without compilation agree with per-block checkpointing and the
 in-place guard on; the LoRA hooks and guard hooks are traced into each block's graph (no graph breaks);
 one compiled graph serves every block of a class; a second shape recompiles within the bound; auto on
@@ -19,10 +19,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from support import comfy_models as cm  # noqa: E402
-from ugpum.recompute import recompute_blocks  # noqa: E402
-from ugpum.compile import compile_blocks, compile_stats  # noqa: E402
-from ugpum.inplace_guard import guard_inplace_residuals  # noqa: E402
-from ugpum.lora import attach_lora  # noqa: E402
+from ugpum.compute.recompute import recompute_blocks  # noqa: E402
+from ugpum.compute.compile import compile_blocks, compile_stats  # noqa: E402
+from ugpum.compute.inplace_guard import guard_inplace_residuals  # noqa: E402
+from ugpum.compute.lora import attach_lora  # noqa: E402
 
 
 @pytest.fixture

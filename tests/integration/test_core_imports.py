@@ -10,7 +10,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_importing_the_core_loads_no_verbs():
     import subprocess
-    code = ("import sys, ugpum, ugpum.forecast, ugpum.train.loop; "
+    code = ("import sys, ugpum, ugpum.planning.forecast, ugpum.train.loop; "
             "print(sorted(m for m in sys.modules if m.startswith('ugpum.commands')))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

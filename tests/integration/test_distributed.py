@@ -61,13 +61,13 @@ def test_a_chain_of_stages_is_the_models_own_forward(comfy, profile, latent, spl
     blocks, at the double/single boundary and inside the singles; Wan's blocks; 2 and 3 stages."""
     from comfy_bridge import build_random
     from ugpum.arch import get_spec
-    from ugpum.recompute import recompute_blocks
+    from ugpum.compute.recompute import recompute_blocks
     from ugpum.train.objective import micro_batch_inputs
     from ugpum.distributed.stages import stage_module, stage_ranges
-    from ugpum.inplace_guard import guard_inplace_residuals
+    from ugpum.compute.inplace_guard import guard_inplace_residuals
     from ugpum.train.config import load_config
     from ugpum.diffusion.flow import flow_loss, noisy
-    from ugpum.lora import attach_lora, lora_targets
+    from ugpum.compute.lora import attach_lora, lora_targets
     from ugpum.train.objective import micro_loss
     cfg = load_config(profile, overrides=dict(devices=["cpu"]))
     spec = get_spec(cfg.model)
@@ -105,7 +105,7 @@ def test_a_rank_holds_only_its_share_and_its_lora_starts_as_attach_lora_starts_i
     from ugpum.distributed.stage_lora import lora_params, stage_lora
     from ugpum.distributed.stages import StageRange, keep_only
     from ugpum.train.config import load_config
-    from ugpum.lora import attach_lora, lora_targets
+    from ugpum.compute.lora import attach_lora, lora_targets
     cfg = load_config("tiny-flux2", overrides=dict(devices=["cpu"]))
     spec = get_spec(cfg.model)
     whole = build_random(spec, torch.float32, seed=0)
@@ -321,7 +321,7 @@ def test_a_sigterm_to_one_rank_stops_every_rank_with_a_checkpoint_that_resumes_e
     assert all("on rank 1 after step" in line and f"--resume {out}" in line for line in stopped)
     assert not any(line.startswith("[rank") for line in output.splitlines()), output[-4000:]   # no rank's traceback
     step = int(stopped[0].split("after step ")[1].split(":")[0])
-    from ugpum.train.checkpoint import latest_checkpoint
+    from ugpum.train.run.checkpoint import latest_checkpoint
     assert latest_checkpoint(out).name == f"step_{step:06d}"
     assert (out / f"ugpum_lora_step{step}.safetensors").is_file()
     # resumed with another number of replicas (2 stages x 2), to two steps past the stop
@@ -380,7 +380,7 @@ def test_a_rank_takes_nccl_and_its_own_gpu_where_cuda_is_here_and_gloo_on_the_cp
 
 def test_two_stages_per_rank_are_placed_planned_and_refused_in_one_process():
     from ugpum.arch import Workload, get_spec
-    from ugpum.devices import resolve_devices
+    from ugpum.planning.devices import resolve_devices
     from ugpum.distributed.forecast import forecast_distributed
     from ugpum.distributed.schedules import rank_stages
     from ugpum.train.config import load_config

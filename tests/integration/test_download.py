@@ -16,7 +16,7 @@ import pytest
 
 from support.comfyui_tree import comfyui_tree
 from ugpum.commands import download as dl
-from ugpum import models_catalog as catalog
+from ugpum.catalog import models as catalog
 from ugpum.arch import get_spec
 from ugpum.commands.download import AccessDenied, LocalFileSource, NoNetwork, Remote, VerifyError, fetch_file
 

@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 from comfy_bridge import find_comfyui
 from support.cli_run import REPO, Run, one_sentence, train
 from support.pictures import picture_sets
-from ugpum.train.checkpoint import latest_checkpoint
+from ugpum.train.run.checkpoint import latest_checkpoint
 
 pytestmark = pytest.mark.skipif(find_comfyui() is None, reason="needs ComfyUI's model classes")
 DATASET = REPO / "demo_datasets" / "loranne"

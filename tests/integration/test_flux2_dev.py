@@ -18,10 +18,10 @@ from safetensors.torch import save_file
 
 from comfy_bridge import build_meta, build_random, find_comfyui
 from ugpum.arch import Workload, get_spec, recognise
-from ugpum.devices import host_device, parse_device_specs
-from ugpum.place import Layout
-from ugpum.plan import make_plan
-from ugpum.stream_load import CheckpointMismatch, ScaledWeight, fill_from_file
+from ugpum.planning.devices import host_device, parse_device_specs
+from ugpum.placement.place import Layout
+from ugpum.planning.plan import make_plan
+from ugpum.placement.stream_load import CheckpointMismatch, ScaledWeight, fill_from_file
 from ugpum.train.config import ConfigError, load_config
 
 pytestmark = pytest.mark.skipif(find_comfyui() is None, reason="needs ComfyUI's model classes")
@@ -143,7 +143,7 @@ def test_guidance_setting_is_checked_and_noted_when_ignored(tmp_path):
 
 def test_preview_renders_with_the_configured_guidance(comfy):
     from ugpum.train.encoders import StandInEncoders
-    from ugpum.diffusion.render_prompt import render
+    from ugpum.render.prompt import render
     spec = get_spec(DEV)
     model, enc = build_random(spec, torch.float32), StandInEncoders(spec)
     ctx = enc.encode_text(["loranne, waving"])[0]
@@ -308,7 +308,7 @@ def test_dev_profile_is_fp8_with_guidance_and_trains_on_two_24gib_cards():
 # ------------------------------------------------------------------------------------ workflow, bench
 
 def test_dev_workflow_trains_on_dev_fp8_and_renders_with_guidance():
-    from ugpum.models_catalog import MODELS
+    from ugpum.catalog.models import MODELS
     entry = MODELS["flux2-dev"]
     workflow = json.loads(WORKFLOW.read_text())
     nodes = {n["id"]: n for n in workflow["nodes"]}

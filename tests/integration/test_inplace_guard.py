@@ -1,7 +1,7 @@
 """In-place residuals vs autograd: the failure, the guard, and exact gradients.
 
 ComfyUI's FLUX.2 blocks do ``x += f(norm(x))``; with trainable LoRA parameters in the blocks,
-backward fails unless the norms get a private copy of their input (ugpum.inplace_guard). These
+backward fails unless the norms get a private copy of their input (ugpum.compute.inplace_guard). These
 tests show the failure on ComfyUI's real modules (tiny, fp64, CPU), then check the guarded
 gradients against central finite differences, plainly and with per-block checkpointing, for
 FLUX.2 and Wan 2.1. The pure-torch tests at the top need no ComfyUI.
@@ -21,7 +21,7 @@ if str(Path(__file__).resolve().parents[2]) not in sys.path:
     sys.path.append(str(Path(__file__).resolve().parents[2]))
 
 from support import comfy_models as cm  # noqa: E402
-from ugpum.inplace_guard import guard_inplace_residuals, recompute_block  # noqa: E402
+from ugpum.compute.inplace_guard import guard_inplace_residuals, recompute_block  # noqa: E402
 
 F64 = torch.float64
 FD_TOL = 1e-6

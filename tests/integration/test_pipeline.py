@@ -1,4 +1,4 @@
-"""Pipelined micro-batches (ugpum.pipeline): the LoRA after N AdamW steps equals sequential gradient
+"""Pipelined micro-batches (ugpum.placement.pipeline): the LoRA after N AdamW steps equals sequential gradient
 accumulation's for every schedule, unsplit and split over two (or three) CPU "devices"; the orders
 the schedules claim are the orders that run, slow stages or not.
 
@@ -17,13 +17,13 @@ from torch import nn
 
 from support import comfy_models as cm
 from support.toy_dit import ToyDiT
-from ugpum.recompute import recompute_blocks
-from ugpum.copy import Copy, move
-from ugpum.inplace_guard import guard_inplace_residuals
-from ugpum.pipeline import SCHEDULES, accumulate, best_schedule, in_flight, op_order, stage_order
-from ugpum.place import Layout, place
-from ugpum.route import SharedInputCache
-from ugpum.lora import attach_lora
+from ugpum.compute.recompute import recompute_blocks
+from ugpum.placement.copy import Copy, move
+from ugpum.compute.inplace_guard import guard_inplace_residuals
+from ugpum.placement.pipeline import SCHEDULES, accumulate, best_schedule, in_flight, op_order, stage_order
+from ugpum.placement.place import Layout, place
+from ugpum.placement.route import SharedInputCache
+from ugpum.compute.lora import attach_lora
 
 M = 4           # micro-batches per step
 STEPS = 3
@@ -371,7 +371,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GP
 
 @cuda
 def test_side_stream_copy_waits_for_its_producer():
-    from ugpum.copy import direct_gpu_copy
+    from ugpum.placement.copy import direct_gpu_copy
     dev = torch.device("cuda", 0)
     a = torch.randn(2048, 2048, device=dev)
     for _ in range(3):

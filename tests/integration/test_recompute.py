@@ -15,11 +15,11 @@ from safetensors.torch import load_file
 
 from comfy_bridge import find_comfyui
 from support import comfy_models as cm
-from ugpum import devices as ugpum_devices
-from ugpum.base_compute import use_8bit_base
-from ugpum.recompute import recompute_blocks
-from ugpum.inplace_guard import guard_inplace_residuals
-from ugpum.lora import attach_lora
+from ugpum.planning import devices as ugpum_devices
+from ugpum.compute.base_compute import use_8bit_base
+from ugpum.compute.recompute import recompute_blocks
+from ugpum.compute.inplace_guard import guard_inplace_residuals
+from ugpum.compute.lora import attach_lora
 from ugpum.commands.train import run_training
 from ugpum.train.config import load_config
 from ugpum.train.prepare import plan_for

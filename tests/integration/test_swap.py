@@ -1,4 +1,4 @@
-"""Block swap (ugpum.swap): the same gradients as without swap, never more than `slots` offloaded
+"""Block swap (ugpum.placement.swap): the same gradients as without swap, never more than `slots` offloaded
 blocks materialised at once, and remove() gives the model back as it was.
 
 Runs with device 'cpu' for both the host copies and the compute (plain copies, no streams), which
@@ -15,12 +15,12 @@ from safetensors.torch import save_file
 
 from support import comfy_models as cm
 from support.toy_dit import ToyDiT
-from ugpum.recompute import recompute_blocks
-from ugpum.inplace_guard import guard_inplace_residuals
-from ugpum.place import Layout
-from ugpum.place import place_with_swap, swap_plan
-from ugpum.swap import install_swap
-from ugpum.lora import attach_lora
+from ugpum.compute.recompute import recompute_blocks
+from ugpum.compute.inplace_guard import guard_inplace_residuals
+from ugpum.placement.place import Layout
+from ugpum.placement.place import place_with_swap, swap_plan
+from ugpum.placement.swap import install_swap
+from ugpum.compute.lora import attach_lora
 
 DEVICES = ["cpu"] + (["cuda:0"] if torch.cuda.is_available() else [])
 REL = 1e-6
@@ -245,8 +245,8 @@ def _tiny_flux2(spec):
 def _plan_with_some_swap(spec):
     """A plan for a device just too small for the tiny model: the planner picks what to swap."""
     from ugpum.arch import Workload
-    from ugpum.devices import Device
-    from ugpum.plan import HEADROOM, StageCosts, make_plan
+    from ugpum.planning.devices import Device
+    from ugpum.planning.plan import HEADROOM, StageCosts, make_plan
     w = Workload(width=64, height=64, text_tokens=6, checkpointing=True, rank=2)
     dev = Device("tiny", "cpu", 2 ** 40, 2 ** 40, 1.0, 20.0, "unknown")
     n = len(spec.blocks)
@@ -263,7 +263,7 @@ def _plan_with_some_swap(spec):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode", ["plan+checkpointing", "all+checkpointing", "all+no-checkpointing"])
 def test_flux2_swap_gives_the_same_gradients(comfy, mode, device):
-    from ugpum.lora import lora_targets
+    from ugpum.compute.lora import lora_targets
     spec = _tiny_spec()
     block_paths = [b.path for b in spec.blocks]
     targets = lora_targets(block_paths, [b.linears for b in spec.blocks])
@@ -295,7 +295,7 @@ def test_flux2_swap_gives_the_same_gradients(comfy, mode, device):
 
 def test_flux2_swap_keeps_the_inplace_error_without_guard(comfy):
     """Swap must not hide autograd's in-place check (it goes through saved-tensor hooks)."""
-    from ugpum.lora import lora_targets
+    from ugpum.compute.lora import lora_targets
     spec = _tiny_spec()
     block_paths = [b.path for b in spec.blocks]
     model = _tiny_flux2(spec)

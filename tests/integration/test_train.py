@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from comfy_bridge import find_comfyui
-from ugpum.train.checkpoint import latest_checkpoint
+from ugpum.train.run.checkpoint import latest_checkpoint
 from ugpum.train.config import ConfigError, load_config
 from ugpum.train.dataset import DatasetError
 from ugpum.train.batches import MicroBatches
@@ -221,7 +221,7 @@ def test_lora_loads_through_comfyui_and_patched_forward_matches(full_run):
     import comfy.lora
     from comfy_bridge import build_random
     from ugpum.arch import get_spec
-    from ugpum.lora import attach_lora, lora_targets
+    from ugpum.compute.lora import attach_lora, lora_targets
     result, _ = full_run
     spec = get_spec("tiny-flux2")
     c = cfg(steps=50)
@@ -387,7 +387,7 @@ def test_cli_train_on_a_models_folder_names_each_missing_file_and_the_download_c
 def test_guidance_trains_at_one_and_previews_at_the_templates_four():
     from ugpum.arch import get_spec
     from ugpum.train.objective import training_guidance
-    from ugpum.diffusion.render_prompt import guidance_for
+    from ugpum.render.prompt import guidance_for
     dev, klein = get_spec("flux2-dev"), get_spec("flux2-klein-9b")
     profile = load_config("flux2-dev-1024")
     assert (profile.guidance, profile.sample_guidance) == (1.0, 4.0)

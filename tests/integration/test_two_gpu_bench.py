@@ -1,5 +1,5 @@
 """Issue 7: the two-GPU benchmark's whole path on CPU with tiny models, and GPU-to-GPU copies staged
-through host memory (`ugpum.copy.staged_copies`), which must give exactly what direct copies give.
+through host memory (`ugpum.placement.copy.staged_copies`), which must give exactly what direct copies give.
 
 On CPU a "staged" copy between CPU tensors runs the same two copies through a host buffer without
 streams; the CUDA tests (skipped here) check the stream ordering on one GPU and, with two GPUs, that a
@@ -15,9 +15,9 @@ import torch
 from support.bench_run import run_bench
 from support.swap_cap import swap_forcing_cap_gib
 from support.toy_dit import ToyDiT
-from ugpum.copy import STAGED_ENV, direct_gpu_copy, gpu_copy, staged_copy, staged_copies, staged_copies_enabled
-from ugpum.pipeline import accumulate
-from ugpum.place import Layout, place
+from ugpum.placement.copy import STAGED_ENV, direct_gpu_copy, gpu_copy, staged_copy, staged_copies, staged_copies_enabled
+from ugpum.placement.pipeline import accumulate
+from ugpum.placement.place import Layout, place
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
@@ -144,7 +144,7 @@ def test_gpu_copy_takes_the_path_the_switch_says():
     x = torch.randn(256, device=dev)
     with staged_copies():
         y, stream = gpu_copy(x, dev)
-    from ugpum.copy import edge_streams
+    from ugpum.placement.copy import edge_streams
     out_stream, in_stream = edge_streams(dev, dev)
     assert stream == in_stream and torch.equal(y, x)
     with staged_copies(False):

@@ -459,7 +459,7 @@ def prepare_catalog_models(models: Path, input_dir: Path) -> None:
     """Every file of the model catalog (what `python -m ugpum download` fetches) by name, as empty
     placeholders (the workflows' loader combos must list them), and the Wan 14B fp8 DiT as a real
     header, which the Loader and Planner read."""
-    from ugpum.models_catalog import MODELS
+    from ugpum.catalog.models import MODELS
     for entry in MODELS.values():
         for f in entry.all_files():
             f.dest(models).parent.mkdir(parents=True, exist_ok=True)
@@ -475,7 +475,7 @@ def workflow_server(comfy_server_factory):
 
 
 def test_every_workflow_has_a_thumbnail_and_a_known_model():
-    from ugpum.models_catalog import MODELS
+    from ugpum.catalog.models import MODELS
     catalog_dits = {f.filename for entry in MODELS.values() for f in entry.dit.values()}
     assert {w.name for w in WORKFLOWS} >= {"ugpum_klein9b_lora.json", "ugpum_wan14b_lora.json"}
     for path in WORKFLOWS:
@@ -535,7 +535,7 @@ def test_example_workflow_uses_existing_nodes_with_valid_widget_values(workflow_
 def test_wan_workflow_trains_clips_with_the_stock_wan_loaders(workflow_server):
     """The Wan 14B workflow: umT5 through CLIPLoader type wan, the Wan VAE, 4k+1 frames on the Planner,
     a clip dataset, and ComfyUI's Wan shift (8) and video latent in the inference branch."""
-    from ugpum.models_catalog import MODELS
+    from ugpum.catalog.models import MODELS
     wan = MODELS["wan2.1-14b"]
     nodes = {n["type"]: n for n in json.loads((REPO / "example_workflows" / "ugpum_wan14b_lora.json").read_text())["nodes"]}
     assert nodes["CLIPLoader"]["widgets_values"][:2] == [wan.text_encoder.filename, "wan"]

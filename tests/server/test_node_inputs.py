@@ -133,7 +133,7 @@ def test_a_bad_save_name_is_refused_by_name_before_any_work(server, save_name, n
 
 
 def test_a_run_folder_another_run_holds_is_refused(server):
-    from ugpum.train.run_lock import RunLock
+    from ugpum.train.run.lock import RunLock
     out = server.output_dir / "ugpum" / "held_run"
     lock = RunLock(out).acquire()                    # another run (this test's process) trains into it
     try:

@@ -1,5 +1,5 @@
 """The GPU runs the planner is held to (issue 29): every row of bench/results/calibration_fit.jsonl (what the
-coefficients in ugpum/calibration.json were fitted to) and of bench/results/calibration.json (runs of the
+coefficients in ugpum/planning/calibration.json were fitted to) and of bench/results/calibration.json (runs of the
 planner's own picks and their neighbours, made after the fit), each against the forecast the code gives now
 for the blocks that row kept and swapped, on the device rate and host link the row's run measured.
 Shared by tests/unit/test_calibration.py and `python bench/calibration_fit.py`, which prints the table.
@@ -10,11 +10,11 @@ import json
 import statistics
 from pathlib import Path
 
-from ugpum import cost
+from ugpum.planning import cost
 from ugpum.arch import get_spec
 from ugpum.arch.base import Workload
-from ugpum.devices import Device
-from ugpum.plan import GIB, MIB, StageCosts
+from ugpum.planning.devices import Device
+from ugpum.planning.plan import GIB, MIB, StageCosts
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "results"

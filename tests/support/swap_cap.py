@@ -1,7 +1,7 @@
 """A memory cap under which one CPU "device" must swap some, not all, of tiny-flux2's blocks."""
 from ugpum.arch import Workload, get_spec
-from ugpum.devices import host_device
-from ugpum.plan import HEADROOM, StageCosts
+from ugpum.planning.devices import host_device
+from ugpum.planning.plan import HEADROOM, StageCosts
 
 TINY_WORKLOAD = Workload(width=64, height=64, text_tokens=8, checkpointing=True, rank=2)
 

@@ -1,4 +1,4 @@
-"""8-bit compute for the frozen base Linears (ugpum.base_compute): numerics through the fp32 reference
+"""8-bit compute for the frozen base Linears (ugpum.compute.base_compute): numerics through the fp32 reference
 emulation on the CPU (the same quantisation the fp8/int8 kernels get on a GPU), LoRA gradients on a tiny
 ComfyUI FLUX.2 against the full-precision base, exact undo, refusals in one sentence."""
 from __future__ import annotations
@@ -11,9 +11,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from support import comfy_models as cm  # noqa: E402
-from ugpum.base_compute import (BaseComputeError, linear_8bit, quantise_rows,  # noqa: E402
+from ugpum.compute.base_compute import (BaseComputeError, linear_8bit, quantise_rows,  # noqa: E402
                                 quantise_weight, supports, use_8bit_base)
-from ugpum.lora import attach_lora  # noqa: E402
+from ugpum.compute.lora import attach_lora  # noqa: E402
 
 
 @pytest.mark.parametrize("mode, bound", [("fp8", 0.0625), ("int8", 1 / 127)])
@@ -58,7 +58,7 @@ def _lora_grads(model, inputs, lora):
 
 @pytest.mark.parametrize("mode, min_cos", [("fp8", 0.99), ("int8", 0.999)])
 def test_lora_gradients_agree_with_full_precision_base_and_undo_is_exact(comfy, mode, min_cos):
-    from ugpum.inplace_guard import guard_inplace_residuals
+    from ugpum.compute.inplace_guard import guard_inplace_residuals
     model = cm.build_tiny_flux2(torch.float32, hidden=128, heads=2, exact_rope=False)
     inputs = {k: (v.float() if v.is_floating_point() else v) for k, v in cm.flux2_inputs(model).items()}
     targets = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "blocks." in n]
@@ -98,8 +98,8 @@ def test_the_planner_forecasts_each_mode_from_the_h200_measurements():
     """Forecast s/step on the H200 preset for klein 9B at 1024², per mode, within 15 % of the steps
     bench/speed.py measured (bench/results/speed.md), and 8-bit holds the base at 1 byte a weight."""
     from ugpum.arch import get_spec
-    from ugpum.devices import resolve_devices
-    from ugpum.plan import plan_training
+    from ugpum.planning.devices import resolve_devices
+    from ugpum.planning.plan import plan_training
     from ugpum.train.config import TrainConfig
     spec = get_spec("flux2-klein-9b")
     devices = resolve_devices(["h200"], spec)
@@ -131,7 +131,7 @@ def _tiny_file(tmp_path, comfy):
 
 def _loaded(spec, path, dtype=torch.float32, on_weight=None):
     from comfy_bridge import build_meta
-    from ugpum.place import Layout, place
+    from ugpum.placement.place import Layout, place
     model = build_meta(spec, dtype).requires_grad_(False)
     place(model, Layout({}, "cpu", "cpu", spec.tail_modules), checkpoint=path, dtype=dtype, on_weight=on_weight)
     return model
@@ -146,7 +146,7 @@ def _forward(model, spec):
 
 @pytest.mark.parametrize("mode", ["fp8", "int8"])
 def test_quantising_each_layer_as_it_loads_equals_quantising_after_and_drops_every_original(tmp_path, comfy, mode):
-    from ugpum.base_compute import QuantiseAsLoaded
+    from ugpum.compute.base_compute import QuantiseAsLoaded
     spec, path, targets = _tiny_file(tmp_path, comfy)
     after = _loaded(spec, path)
     use_8bit_base(after, targets, mode, log=lambda *_: None, emulate=True, keep="none")

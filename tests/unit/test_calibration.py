@@ -8,7 +8,7 @@ import copy
 import pytest
 
 from support import recorded_forecasts as recorded
-from ugpum import cost
+from ugpum.planning import cost
 
 
 def worst(key: str) -> float:

@@ -6,8 +6,8 @@ import types
 
 import pytest
 
-from ugpum import devices
-from ugpum.devices import GIB, LINKS, PRESETS, Device, parse_device_spec, parse_device_specs
+from ugpum.planning import devices
+from ugpum.planning.devices import GIB, LINKS, PRESETS, Device, parse_device_spec, parse_device_specs
 
 
 # --- specs typed by hand -------------------------------------------------------------------

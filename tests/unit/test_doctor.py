@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from ugpum import devices
+from ugpum.planning import devices
 from ugpum.commands import doctor
-from ugpum.devices import GIB, Device
+from ugpum.planning.devices import GIB, Device
 from support.cli_run import main_here
 from support.comfyui_tree import comfyui_tree, safetensors_file
 

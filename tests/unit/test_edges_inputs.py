@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from ugpum.folders import FolderError, check_writable
-from ugpum.stream_load import NonFiniteWeight, fill_from_file
+from ugpum.placement.stream_load import NonFiniteWeight, fill_from_file
 from ugpum.train.cache import dataset_hash
 from ugpum.train.config import ConfigError, TrainConfig, load_config
 from ugpum.train.dataset import DatasetError, load_image_folder, read_caption

@@ -20,10 +20,10 @@ from ugpum.formats.disk_space import DiskFull, size_text
 from ugpum.formats.fingerprint import weights_fingerprint
 from ugpum.formats.finite import NonFinite, is_finite
 from ugpum.formats.lora_file import save_lora
-from ugpum.lora import attach_lora
-from ugpum.train.checkpoint import (CheckpointError, check_same_run, latest_checkpoint, load_checkpoint,
+from ugpum.compute.lora import attach_lora
+from ugpum.train.run.checkpoint import (CheckpointError, check_same_run, latest_checkpoint, load_checkpoint,
                                     remove_leftovers, save_checkpoint)
-from ugpum.train.run_lock import LOCK_NAME, RunLock, RunLocked, hold_run_folder
+from ugpum.train.run.lock import LOCK_NAME, RunLock, RunLocked, hold_run_folder
 
 
 @pytest.fixture

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from ugpum import cost
+from ugpum.planning import cost
 from ugpum.arch import Workload, get_spec
-from ugpum.devices import Device, host_memory, parse_device_specs
-from ugpum.forecast import format_plan
-from ugpum.plan import GIB, make_plan
+from ugpum.planning.devices import Device, host_memory, parse_device_specs
+from ugpum.planning.forecast import format_plan
+from ugpum.planning.plan import GIB, make_plan
 
 DEV = get_spec("flux2-dev")
 KLEIN = get_spec("flux2-klein-9b")

@@ -84,17 +84,31 @@ def test_no_import_circle_in_ugpum():
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
 
 
-# ugpum's layers, lowest first: a module may import its own layer and the ones below, never above.
-# The core (top-level modules and the arch, formats and diffusion packages), then the training
-# engine, the distributed engine on top of it, and the command-line verbs over everything.
-LAYERS = ("core", "ugpum.train", "ugpum.distributed", "ugpum.commands")
+# ugpum's layers, lowest first: a module may import its own layer and the ones below, never above. Every
+# package and top-level module is in exactly one (`test_every_part_of_ugpum_is_in_one_layer`).
+LAYERS = (
+    # foundations: how a message names a setting, folders the user chose, stops while starting, file formats
+    ("ugpum.wording", "ugpum.folders", "ugpum.startup", "ugpum.formats"),
+    # mechanisms: how a block computes, the flow-matching math, where weights live and how activations move
+    ("ugpum.compute", "ugpum.diffusion", "ugpum.placement"),
+    # the models: each family's folder, and the files and profiles known by name
+    ("ugpum.arch", "ugpum.catalog"),
+    # what the engine decides before loading (the plan) and shows (pictures)
+    ("ugpum.planning", "ugpum.render"),
+    ("ugpum.train",),                   # the one training loop and its parts
+    ("ugpum.distributed",),             # the torchrun engine: a stepper the same loop drives
+    ("ugpum.commands",),                # the command-line verbs, over everything
+)
+TOP_LEVEL_MODULES_AT_MOST = 12          # ugpum/*.py, __init__ and __main__ included
 
 
-def layer_of(module: str) -> int:
-    for i, prefix in reversed(list(enumerate(LAYERS))):
-        if module == prefix or module.startswith(prefix + "."):
+def layer_of(module: str) -> int | None:
+    if module in ("ugpum", "ugpum.__main__"):
+        return len(LAYERS)                  # the public face and the entry point stand over every layer
+    for i, prefixes in enumerate(LAYERS):
+        if any(module == p or module.startswith(p + ".") for p in prefixes):
             return i
-    return 0
+    return None
 
 
 def upward_imports(graph: dict[str, set[str]]) -> list[str]:
@@ -104,9 +118,17 @@ def upward_imports(graph: dict[str, set[str]]) -> list[str]:
                   for b in targets if layer_of(b) > layer_of(a))
 
 
+def test_every_part_of_ugpum_is_in_one_layer_and_the_top_level_is_small():
+    parts = {name.split(".")[1] for name in ugpum_graph() if name.count(".") >= 1} - {"__main__"}
+    assert sorted(p for p in parts if layer_of(f"ugpum.{p}") is None) == []
+    top_level = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(top_level) <= TOP_LEVEL_MODULES_AT_MOST, top_level
+
+
 def test_upward_imports_are_found_and_ugpum_has_none():
-    assert upward_imports({"ugpum.plan": {"ugpum.train.config"}, "ugpum.train.loop": {"ugpum.plan"}}) == \
-        ["ugpum.plan -> ugpum.train.config"]
+    assert upward_imports({"ugpum.planning.plan": {"ugpum.train.config"}, "ugpum.train.loop": {"ugpum.planning.plan"},
+                           "ugpum.compute.lora": {"ugpum.arch.base"}, "ugpum.arch.base": {"ugpum.compute.lora"}}) == \
+        ["ugpum.compute.lora -> ugpum.arch.base", "ugpum.planning.plan -> ugpum.train.config"]
     assert upward_imports(ugpum_graph()) == []
 
 
@@ -185,13 +207,13 @@ def test_no_setting_flows_back_from_the_plan_into_a_config():
     assert offenders == []
 
 
-# The run folder is one component: only ugpum/train/run_layout.py names what a run folder holds.
+# The run folder is one component: only ugpum/train/run/layout.py names what a run folder holds.
 RUN_FOLDER_NAMES = {"metrics.jsonl", "plan.json", "checkpoints", "samples", "cache", ".ugpum_run.lock",
                     "before_after.png"}
 
 
 def run_paths_built(source: str) -> list[str]:
-    """`path / "checkpoints"` and the like in `source`: a run folder's layout spelled outside run_layout."""
+    """`path / "checkpoints"` and the like in `source`: a run folder's layout spelled outside its module."""
     return [f"line {node.lineno}: {node.right.value}" for node in ast.walk(ast.parse(source))
             if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div)
             and isinstance(node.right, ast.Constant) and node.right.value in RUN_FOLDER_NAMES]
@@ -201,7 +223,7 @@ def test_only_the_run_layout_names_a_run_folders_files():
     assert run_paths_built('from pathlib import Path\nout = Path("x")\np = out / "metrics.jsonl"\n') == \
         ["line 3: metrics.jsonl"]
     offenders = [f"{p.relative_to(REPO)} {f}" for folder in (PACKAGE, REPO / "nodes") for p in sorted(folder.rglob("*.py"))
-                 if p.name != "run_layout.py" for f in run_paths_built(p.read_text(encoding="utf-8"))]
+                 if p != PACKAGE / "train" / "run" / "layout.py" for f in run_paths_built(p.read_text(encoding="utf-8"))]
     assert offenders == []
 
 

@@ -6,8 +6,8 @@ import torch
 from safetensors.torch import save_file
 
 from support.toy_dit import ToyDiT
-from ugpum.place import Layout, place
-from ugpum.stream_load import CheckpointMismatch
+from ugpum.placement.place import Layout, place
+from ugpum.placement.stream_load import CheckpointMismatch
 
 DEVICE_PAIRS = [("cpu", "cpu")]
 if torch.cuda.is_available():
@@ -115,9 +115,9 @@ def test_comfyui_models_split_gradients_equal_unsplit(model_id, devices):
     if find_comfyui() is None:
         pytest.skip("needs ComfyUI's model classes")
     from ugpum.arch import get_spec
-    from ugpum.recompute import recompute_blocks
-    from ugpum.inplace_guard import guard_inplace_residuals
-    from ugpum.lora import attach_lora, lora_targets
+    from ugpum.compute.recompute import recompute_blocks
+    from ugpum.compute.inplace_guard import guard_inplace_residuals
+    from ugpum.compute.lora import attach_lora, lora_targets
     spec = get_spec(model_id)
     paths = [b.path for b in spec.blocks]
     dtype = torch.float32 if devices == ("cpu", "cpu") else torch.float64
@@ -163,7 +163,7 @@ def test_comfyui_dynamic_vram_still_builds_every_weight(comfy, monkeypatch):
     import sys
     from comfy_bridge import build_meta, build_random
     from ugpum.arch import get_spec
-    from ugpum.inplace_guard import guard_inplace_residuals
+    from ugpum.compute.inplace_guard import guard_inplace_residuals
     dynamic = sys.modules.get("comfy.memory_management")
     if not hasattr(dynamic, "aimdo_enabled"):
         pytest.skip("this ComfyUI has no DynamicVRAM (COMFYUI_PATH=<newest ComfyUI> runs this)")

@@ -7,8 +7,8 @@ from hypothesis import given, settings, strategies as st
 
 from ugpum.arch import Workload, get_spec
 from ugpum.commands import main
-from ugpum.devices import GIB, Device
-from ugpum.plan import PlanError, combine_keys, StageCosts, best_split, budget_bytes, make_plan
+from ugpum.planning.devices import GIB, Device
+from ugpum.planning.plan import PlanError, combine_keys, StageCosts, best_split, budget_bytes, make_plan
 
 
 def device(gib: float, tflops: float, gbps: float = 25.0, label: str = "gpu") -> Device:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from ugpum import cost
+from ugpum.planning import cost
 from ugpum.arch import Workload, get_spec
-from ugpum.devices import Device
-from ugpum.plan import GIB, StageCosts
+from ugpum.planning.devices import Device
+from ugpum.planning.plan import GIB, StageCosts
 
 WAN = get_spec("wan2.1-14b")
 KLEIN = get_spec("flux2-klein-9b")

@@ -5,12 +5,12 @@ import dataclasses
 
 import pytest
 
-from ugpum import cost
+from ugpum.planning import cost
 from ugpum.arch import Workload, get_spec
-from ugpum.devices import GIB, Device, parse_device_specs
-from ugpum.forecast import format_plan
-from ugpum.plan import HEADROOM, StageCosts, budget_bytes, make_plan, plan_training
-from ugpum.train.checkpoint import MAY_CHANGE
+from ugpum.planning.devices import GIB, Device, parse_device_specs
+from ugpum.planning.forecast import format_plan
+from ugpum.planning.plan import HEADROOM, StageCosts, budget_bytes, make_plan, plan_training
+from ugpum.train.run.checkpoint import MAY_CHANGE
 from ugpum.train.config import ConfigError, load_config
 
 KLEIN = get_spec("flux2-klein-9b")
@@ -142,7 +142,7 @@ def test_largest_saving_first_then_the_fewest_bytes():
 
 
 def test_failure_advice_names_recompute_all():
-    from ugpum.plan import PlanError
+    from ugpum.planning.plan import PlanError
     with pytest.raises(PlanError) as failed:
         make_plan(KLEIN, parse_device_specs(["24GiB"], probe=False), dataclasses.replace(W, recompute="none"))
     assert "{setting:recompute=all}" in str(failed.value)

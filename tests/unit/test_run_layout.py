@@ -1,8 +1,8 @@
-"""The run folder's layout, as ugpum/train/run_layout.py names it (the files themselves are written by the
+"""The run folder's layout, as ugpum/train/run/layout.py names it (the files themselves are written by the
 tiny trainings of tests/integration/)."""
 from pathlib import Path
 
-from ugpum.train.run_layout import RunFolder
+from ugpum.train.run.layout import RunFolder
 
 
 def test_the_feature_cache_lives_in_the_run_folder_unless_cache_dir_is_set(tmp_path):

@@ -39,8 +39,8 @@ def _plan(spec, device: str, swapped: list[int], stages: int = 1, schedule: str 
     `swapped` (block indices, each on the stage that holds it), the resident blocks keeping their
     activations where `keep_resident` (as recompute = auto plans with room): the planner's own Plan object."""
     from ugpum.arch import Workload
-    from ugpum.devices import Device
-    from ugpum.plan import make_plan
+    from ugpum.planning.devices import Device
+    from ugpum.planning.plan import make_plan
     w = Workload(width=64, height=64, text_tokens=6, recompute="all", rank=2)
     n = len(spec.blocks)
     split = [n // stages + (k < n % stages) for k in range(stages)]
@@ -56,15 +56,15 @@ def _plan(spec, device: str, swapped: list[int], stages: int = 1, schedule: str 
 def _trained_step(spec, path, device: str, mode: str, swapped: list[int], emulate: bool, stages: int = 1,
                   schedule: str = "gpipe", keep_resident: bool = False):
     """Place the tiny model by a plan over `stages` devices swapping `swapped`, 8-bit as it loads; the
-    forward/backward of two micro-batches in `schedule`'s order (ugpum.pipeline.accumulate, as training runs
+    forward/backward of two micro-batches in `schedule`'s order (ugpum.placement.pipeline.accumulate, as training runs
     them). Returns (LoRA gradients by name, the placement, the quantiser)."""
     from comfy_bridge import build_meta
-    from ugpum.base_compute import QuantiseAsLoaded
-    from ugpum.recompute import recompute_blocks
-    from ugpum.inplace_guard import guard_inplace_residuals
-    from ugpum.lora import attach_lora, lora_targets
-    from ugpum.pipeline import accumulate
-    from ugpum.place import place_by_plan
+    from ugpum.compute.base_compute import QuantiseAsLoaded
+    from ugpum.compute.recompute import recompute_blocks
+    from ugpum.compute.inplace_guard import guard_inplace_residuals
+    from ugpum.compute.lora import attach_lora, lora_targets
+    from ugpum.placement.pipeline import accumulate
+    from ugpum.placement.place import place_by_plan
     from ugpum.train.prepare import recomputed_paths
     block_paths = [b.path for b in spec.blocks]
     targets = lora_targets(block_paths, [b.linears for b in spec.blocks])
@@ -154,7 +154,7 @@ def test_swapped_8bit_blocks_split_over_two_devices_and_pipelined_give_the_resid
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU with 8-bit tensor cores")
 @pytest.mark.parametrize("mode", ["fp8", "int8"])
 def test_swapped_8bit_blocks_give_the_resident_8bit_gradients_on_cuda(tmp_path, comfy, mode):
-    from ugpum.base_compute import supports
+    from ugpum.compute.base_compute import supports
     if supports(mode, "cuda:0"):
         pytest.skip(supports(mode, "cuda:0"))
     spec, path = _tiny_file(tmp_path)
@@ -165,8 +165,8 @@ def test_swapped_8bit_blocks_give_the_resident_8bit_gradients_on_cuda(tmp_path, 
 def test_a_model_not_streamed_from_its_file_is_refused_by_name(comfy):
     from comfy_bridge import build_random
     from ugpum.arch import get_spec
-    from ugpum.base_compute import QuantiseAsLoaded
-    from ugpum.place import place_by_plan
+    from ugpum.compute.base_compute import QuantiseAsLoaded
+    from ugpum.placement.place import place_by_plan
     spec = get_spec("tiny-flux2")
     model = build_random(spec, torch.float32, 0).requires_grad_(False)
     hook = QuantiseAsLoaded([f"{spec.blocks[0].path}.{spec.blocks[0].linears[0].path}"], "int8", emulate=True)

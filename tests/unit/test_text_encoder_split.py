@@ -1,5 +1,5 @@
 """A text encoder split over devices for caption caching encodes exactly as it does whole, and is
-left as it was afterwards; the plan and its text cover the step (ugpum/text_encoder_split.py).
+left as it was afterwards; the plan and its text cover the step (ugpum/planning/text_encoder_split.py).
 
 The encoders are ComfyUI's own classes at tiny width with random weights: FLUX.2 [dev]'s Mistral
 (40 layers, hidden states of layers 10/20/30), Wan's umT5 and FLUX.1/SD3's T5 (relative position bias
@@ -11,10 +11,10 @@ import torch
 from ugpum.arch import get_spec
 from ugpum.arch.base import Workload
 from ugpum.arch.text_encoders import ARCHS
-from ugpum.forecast import format_plan
-from ugpum.devices import Device, parse_device_specs
-from ugpum.plan import HEADROOM, make_plan
-from ugpum.text_encoder_split import (EncoderSizes, find_layers, plan_text_encoder, slots_for_devices,
+from ugpum.planning.forecast import format_plan
+from ugpum.planning.devices import Device, parse_device_specs
+from ugpum.planning.plan import HEADROOM, make_plan
+from ugpum.planning.text_encoder_split import (EncoderSizes, find_layers, plan_text_encoder, slots_for_devices,
                                       split_text_encoder)
 
 DEVICE_PAIRS = [("cpu", "cpu")]

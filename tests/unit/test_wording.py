@@ -7,8 +7,8 @@ import pytest
 from support.pack_nodes import pack_nodes
 from ugpum.arch import Workload, get_spec
 from ugpum.commands import main
-from ugpum.devices import resolve_devices
-from ugpum.plan import PlanError, plan_training
+from ugpum.planning.devices import resolve_devices
+from ugpum.planning.plan import PlanError, plan_training
 from ugpum.wording import for_cli, for_nodes, plain, setting
 
 REPO = Path(__file__).resolve().parents[2]
@@ -91,14 +91,14 @@ def test_a_value_with_braces_or_percent_signs_reads_as_given(folder):
 
 
 def finished_run(out) -> str:
-    """The message a resume of a finished 300-step run gives (ugpum.train.run_folder.resume_point), from a run
+    """The message a resume of a finished 300-step run gives (ugpum.train.run.folder.resume_point), from a run
     folder holding that run's last checkpoint and LoRA."""
     import json
 
     import torch
     from safetensors.torch import save_file
     from ugpum.train.config import load_config
-    from ugpum.train.run_folder import RunFinished, resume_point
+    from ugpum.train.run.folder import RunFinished, resume_point
     cfg = load_config("tiny-flux2", overrides={"steps": 300})
     identity = {"config": {}, "model": {}, "dataset_hash": "same", "lora_shapes": {}}
     folder = out / "checkpoints" / "step_000300"
@@ -129,7 +129,7 @@ def test_a_finished_run_says_steps_as_the_front_end_does(tmp_path):
 def test_an_earlier_run_is_continued_or_replaced_on_the_command_line_and_never_replaced_by_the_nodes(tmp_path):
     from ugpum.train.config import load_config
     from ugpum.train.errors import RunExists
-    from ugpum.train.run_folder import open_run
+    from ugpum.train.run.folder import open_run
     cfg = load_config("tiny-flux2", overrides={"dataset": str(REPO / "demo_datasets" / "loranne")})
     out = tmp_path / "run"
     out.mkdir()
@@ -146,16 +146,16 @@ def test_an_earlier_run_is_continued_or_replaced_on_the_command_line_and_never_r
 
 def test_every_engine_error_has_the_one_base_and_keeps_its_builtin_one():
     from ugpum.arch import UnknownModel
-    from ugpum.base_compute import BaseComputeError
-    from ugpum.devices import DeviceError
+    from ugpum.compute.base_compute import BaseComputeError
+    from ugpum.planning.devices import DeviceError
     from ugpum.folders import FolderError
     from ugpum.formats.disk_space import DiskFull
     from ugpum.formats.finite import NonFinite
     from ugpum.formats.lora_file import LoraFileError
     from ugpum.formats.safetensors_header import HeaderError
-    from ugpum.models_catalog import UnknownName
-    from ugpum.stream_load import CheckpointMismatch
-    from ugpum.train.checkpoint import CheckpointError
+    from ugpum.catalog.models import UnknownName
+    from ugpum.placement.stream_load import CheckpointMismatch
+    from ugpum.train.run.checkpoint import CheckpointError
     from ugpum.train.config import ConfigError
     from ugpum.train.errors import DatasetError, TrainingError
     from ugpum.wording import EngineError
@@ -174,7 +174,7 @@ def test_the_trainer_node_words_an_engine_error_without_flags(comfy, tmp_path):
     pack_nodes()
     from ugpum_pack_nodes.errors import UGPUMError, user_errors
     message = finished_run(tmp_path / "run")
-    from ugpum.train.run_folder import RunFinished
+    from ugpum.train.run.folder import RunFinished
     with pytest.raises(UGPUMError) as failed, user_errors("LoRA Trainer"):
         raise RunFinished(message)
     said = str(failed.value)

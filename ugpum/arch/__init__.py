@@ -13,8 +13,8 @@ from their folders alone: adding a family is adding a folder, holding
   stage.py      its pipeline stage for the distributed engine (a ugpum.arch.stage.Stage)
 
 Besides code, a family needs data keyed by its name: its measured cost coefficients in
-ugpum/calibration.json (bench/calibration_fit.py), training presets (ugpum/profiles.py) and model
-files (ugpum/models_catalog.py); and ComfyUI's model class, latent format and CLIP type for it where
+ugpum/planning/calibration.json (bench/calibration_fit.py), training presets (ugpum/catalog/profiles.py) and model
+files (ugpum/catalog/models.py); and ComfyUI's model class, latent format and CLIP type for it where
 the command line builds ComfyUI's objects (the pack's bridge module, reached through
 ugpum/commands/bridge.py)."""
 from __future__ import annotations

@@ -52,10 +52,10 @@ class Workload:
     held_dtype: str = "bf16"             # the base weights as training holds them on the GPUs: bf16 | fp8 | fp32
     #                                      (fp8 under an 8-bit base_compute, whatever the weight_dtype setting)
     rank: int = 16
-    compiled: bool = False               # blocks compiled (ugpum.compile): fused elementwise work
-    base_compute: str = "bf16"           # the frozen base's matmuls: bf16 | fp8 | int8 (ugpum.base_compute)
+    compiled: bool = False               # blocks compiled (ugpum.compute.compile): fused elementwise work
+    base_compute: str = "bf16"           # the frozen base's matmuls: bf16 | fp8 | int8 (ugpum.compute.base_compute)
     # Which blocks recompute their forward in backward (per-block checkpointing): all | none | auto (the
-    # planner keeps the activations of the resident blocks the memory left over holds, ugpum.plan).
+    # planner keeps the activations of the resident blocks the memory left over holds, ugpum.planning.plan).
     recompute: str = "all"
     checkpointing: InitVar[bool | None] = None     # the older switch: true is recompute all, false none
 

@@ -29,7 +29,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from ..dtypes import bf16_autocast
+from ..compute.dtypes import bf16_autocast
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The text encoders the DiTs are trained with, as the planner sees them: layers and their sizes.
 
 Captions are encoded once, before training, and cached (ugpum/train/cache.py). A text encoder that
-is larger than one GPU is then split over the GPUs for that step (ugpum/text_encoder_split.py), so
+is larger than one GPU is then split over the GPUs for that step (ugpum/planning/text_encoder_split.py), so
 the forecast needs its size per layer. Sizes are computed from the configurations ComfyUI builds
 the encoders with (what actually sits in memory), not from file sizes:
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..forecast import plan_report
-from ..report import loss_curve
+from ..planning.forecast import plan_report
+from ..render.report import loss_curve
 from ..train.config import load_config
 from ..wording import for_cli
 from .bridge import PACK_ROOT

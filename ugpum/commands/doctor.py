@@ -14,9 +14,9 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from .. import models_catalog as catalog
+from ..catalog import models as catalog
 from .download import download_command
-from ..forecast import TYPICAL_RIGS
+from ..planning.forecast import TYPICAL_RIGS
 from .bridge import comfy_bridge
 from .prog import in_own_words, prog
 
@@ -104,7 +104,7 @@ def _package_version(name: str) -> str | None:
 
 
 def gpu_info(probe: bool = False) -> dict:
-    from ..devices import detect_devices, peer_access_matrix
+    from ..planning.devices import detect_devices, peer_access_matrix
     devices = detect_devices(probe=probe)
     return {"count": len(devices), "devices": [d.to_json() for d in devices],
             "peer_access": peer_access_matrix() if devices else [],
@@ -198,10 +198,10 @@ def _other_dits(models_dir: Path, known: set[str]) -> list[dict]:
 
 def plan_info(profile_id: str, devices=None) -> dict:
     """The profile's plan on this machine's GPUs, or on typical rigs when there are none: the plan
-    `plan --profile PROFILE --gpu ...` prints for the same GPUs (one function, ugpum.forecast)."""
-    from ..devices import parse_device_specs
-    from ..forecast import assumptions, format_plan, plan_for_config
-    from ..plan import PlanError
+    `plan --profile PROFILE --gpu ...` prints for the same GPUs (one function, ugpum.planning.forecast)."""
+    from ..planning.devices import parse_device_specs
+    from ..planning.forecast import assumptions, format_plan, plan_for_config
+    from ..planning.plan import PlanError
     from ..train.config import load_config
     from ..wording import for_cli
 

@@ -1,6 +1,6 @@
 """`python -m ugpum download`: put a profile's DiT, text encoder and VAE into ComfyUI's models/ folder.
 
-For each file of the profile (ugpum.models_catalog), in this order:
+For each file of the profile (ugpum.catalog.models), in this order:
 1. already in ``models/<folder>/<name>``: nothing to do (no network);
 2. in the local Hugging Face cache (``$HF_HUB_CACHE``, ``$HF_HOME/hub`` or ``~/.cache/huggingface/hub``):
    copied from there, checked against the hash the cache file is named by, without any network call;
@@ -35,9 +35,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from .. import models_catalog as catalog
+from ..catalog import models as catalog
 from ..folders import unusable_reason
-from ..models_catalog import ModelFile
+from ..catalog.models import ModelFile
 from .prog import in_own_words
 
 CHUNK = 8 * 2**20

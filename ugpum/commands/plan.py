@@ -6,9 +6,9 @@ import dataclasses
 import json
 
 from ..arch import get_spec, recognise
-from ..devices import CPU_TRAINABLE_PARAMS, resolve_devices
-from ..forecast import format_plan, plan_for_config, recompute_line
-from ..schedules import ALL_SETTINGS, DISTRIBUTED_ONLY
+from ..planning.devices import CPU_TRAINABLE_PARAMS, resolve_devices
+from ..planning.forecast import format_plan, plan_for_config, recompute_line
+from ..placement.schedules import ALL_SETTINGS, DISTRIBUTED_ONLY
 from ..train.config import TrainConfig, load_config
 from ..wording import for_cli
 from .errors import UsageError

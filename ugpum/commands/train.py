@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..arch import get_spec, recognise
-from ..devices import CPU_TRAINABLE_PARAMS, resolve_devices
-from ..schedules import ALL_SETTINGS
-from ..dtypes import TORCH_DTYPES
+from ..planning.devices import CPU_TRAINABLE_PARAMS, resolve_devices
+from ..placement.schedules import ALL_SETTINGS
+from ..compute.dtypes import TORCH_DTYPES
 from ..train.config import PROFILES, TrainConfig, load_config
 from ..folders import check_writable, dangling_link, too_long_name
 from .bridge import comfy_bridge
@@ -135,8 +135,8 @@ def config_from_args(args) -> TrainConfig:
 def recorded_run(out: str) -> dict:
     """state.json of the newest intact checkpoint of the run in `out`: its settings (identity.config)
     and what it was loaded from (inputs); one sentence when there is none to read."""
-    from ..train.checkpoint import latest_checkpoint
-    from ..train.run_layout import RunFolder
+    from ..train.run.checkpoint import latest_checkpoint
+    from ..train.run.layout import RunFolder
     folder = latest_checkpoint(Path(out).expanduser())
     if folder is None:
         raise UsageError(f"--resume {out}: no intact checkpoint in {RunFolder(Path(out)).checkpoints}, so nothing records "
@@ -183,7 +183,7 @@ def model_files(cfg: TrainConfig, models: str | None, dit: str | None, text_enco
     """The files of a real-model run: explicit paths first, the rest from a ComfyUI models/ folder by
     the catalog's names; None for runs without real encoders (tiny models, stand-in benchmarks).
     Anything missing is one sentence naming each file and the command that fetches them."""
-    from .. import models_catalog as catalog
+    from ..catalog import models as catalog
     from .download import download_command
     spec = get_spec(cfg.model)
     if cfg.stand_in_encoders:
@@ -361,7 +361,7 @@ def run_train(args) -> int:
     if getattr(args, "distributed", False) or getattr(args, "data_parallel", 1) != 1:   # torchrun ... --distributed
         from .train_distributed import run_train_distributed
         return run_train_distributed(args, cfg, out, files, build_model, build_encoders, comfyui, inputs)
-    from ..train.run_folder import RunFinished
+    from ..train.run.folder import RunFinished
     try:
         result = run_training(cfg, out, files, comfyui, resume=bool(args.resume), overwrite=args.overwrite,
                               inputs=inputs, log=printer("train"))

@@ -1,3 +1,3 @@
 """The diffusion math below training and preview: the flow-matching objective and timestep draws
-(`flow.py`), ComfyUI's samplers for FLUX.2 and Wan (`flow_sampler.py`), and a prompt rendered on a
-placed model (`render_prompt.py`)."""
+(`flow.py`) and ComfyUI's samplers for FLUX.2 and Wan (`flow_sampler.py`); a prompt rendered through a
+model is `ugpum.render.prompt`'s."""

@@ -24,9 +24,9 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from ..arch.base import WEIGHT_BYTES
-from ..devices import Device, gpu_to_gpu_gbps
-from .. import cost
-from ..plan import GIB, MIB, Plan, PlanError, plan_training
+from ..planning.devices import Device, gpu_to_gpu_gbps
+from ..planning import cost
+from ..planning.plan import GIB, MIB, Plan, PlanError, plan_training
 from .schedules import rank_stages, schedule_kind, stages_per_rank
 
 DEFAULT_NETWORK_GBPS = 10.0          # Gbit/s: a 10 GbE LAN between workstations

@@ -13,11 +13,11 @@ per rank, for a smaller bubble (each rank has work while the pipeline fills and 
   gradient for the stage's input (sent on at once) and the LoRA's own gradient (run later, in the
   bubble).
 
-The names and the arithmetic live in `ugpum.schedules`; this module picks torch's classes.
+The names and the arithmetic live in `ugpum.placement.schedules`; this module picks torch's classes.
 """
 from __future__ import annotations
 
-from ..schedules import MULTI_STAGE, rank_stages, schedule_kind, stages_per_rank  # noqa: F401 (re-exported)
+from ..placement.schedules import MULTI_STAGE, rank_stages, schedule_kind, stages_per_rank  # noqa: F401 (re-exported)
 
 
 def schedule_class(schedule: str, n_microbatches: int, ranks: int):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..lora import LoraAdapter, LoraSet, lora_targets
+from ..compute.lora import LoraAdapter, LoraSet, lora_targets
 from ..train.config import TrainConfig
 from ..train.prepare import make_optimizer
 from .stages import StageRange

@@ -15,7 +15,7 @@ def stage_ranges(bounds: list[tuple[int, int]]) -> list[StageRange]:
 
 
 def stage_module(model: nn.Module, spec, rng: StageRange, autocast: bool = False, weight_dtype: str = "fp32") -> Stage:
-    """The stage module of `spec`'s family for blocks `rng` of `model` (autocast as `ugpum.dtypes.bf16_autocast`)."""
+    """The stage module of `spec`'s family for blocks `rng` of `model` (autocast as `ugpum.compute.dtypes.bf16_autocast`)."""
     return spec.stage_class(model, spec, rng, autocast, weight_dtype)
 
 

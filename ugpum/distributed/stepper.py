@@ -42,16 +42,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..base_compute import check_devices
-from ..devices import resolve_devices
-from ..dtypes import TORCH_DTYPES
-from ..plan import PlanError
-from ..schedules import rank_stages, schedule_kind, stages_per_rank
-from ..train.checkpoint import load_checkpoint
+from ..compute.base_compute import check_devices
+from ..planning.devices import resolve_devices
+from ..compute.dtypes import TORCH_DTYPES
+from ..planning.plan import PlanError
+from ..placement.schedules import rank_stages, schedule_kind, stages_per_rank
+from ..train.run.checkpoint import load_checkpoint
 from ..train.config import TrainConfig
 from ..train.errors import TrainingError
 from ..train.prepare import make_trainable, quantiser
-from ..train.run_folder import save_run
+from ..train.run.folder import save_run
 from .forecast import distributed_plan
 from .schedule_run import GradientsInOrder, clip_pipeline, run_schedule
 from .stage_lora import full_lora, lora_params, stage_adapters, stage_lora
@@ -169,8 +169,8 @@ class TorchrunRankStepper:
         own_paths = [spec.blocks[i].path for r in mine for i in range(r.start, r.end)]
         quantise = quantiser(plan, spec, own_paths, [top.device], model)
         if any(p.is_meta for p in model.parameters()):
-            from ..place import Layout
-            from ..stream_load import fill_from_file
+            from ..placement.place import Layout
+            from ..placement.stream_load import fill_from_file
             layout = Layout({path: str(top.device) for path in own_paths}, str(top.device), str(top.device),
                             tuple(spec.tail_modules))
             fill_from_file(model, layout, Path(cfg.model_file), key_prefix, TORCH_DTYPES[cfg.weight_dtype],

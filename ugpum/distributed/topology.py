@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..schedules import rank_stages, stages_per_rank
+from ..placement.schedules import rank_stages, stages_per_rank
 from ..train.errors import TrainingError
 
 

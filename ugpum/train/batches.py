@@ -13,7 +13,7 @@ from .cache import FeatureCache
 from .config import TrainConfig
 from .dataset import ImageItem, caption_dropout
 from .pictures import skipped_note, skipped_pictures
-from .run_layout import RunFolder
+from .run.layout import RunFolder
 from .musubi_toml import check_inside, load_musubi_toml
 from .objective import model_context
 from .video import load_folder

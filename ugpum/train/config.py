@@ -10,8 +10,8 @@ from pathlib import Path
 
 from ..arch import Workload, get_spec, model_ids
 from ..arch.base import RECOMPUTE_SETTINGS
-from ..schedules import ALL_SETTINGS as SCHEDULE_SETTINGS
-from ..dtypes import TRAINING_DTYPES
+from ..placement.schedules import ALL_SETTINGS as SCHEDULE_SETTINGS
+from ..compute.dtypes import TRAINING_DTYPES
 from ..diffusion.flow import TIMESTEP_METHODS
 from ..wording import EngineError, quoted, setting
 
@@ -167,8 +167,8 @@ class TrainConfig:
     cache_dir: str = ""                   # latents/text cache; empty: <out>/cache
     stand_in_encoders: bool = False       # fixed random encoders instead of a VAE/text encoder
                                           # (tiny models, benchmarks on random weights)
-    compile: str = "auto"                 # compiled blocks (ugpum/compile.py): auto (CUDA with Triton) | on | off
-    base_compute: str = "bf16"            # the frozen base's matmuls: bf16 | fp8 | int8 (ugpum/base_compute.py)
+    compile: str = "auto"                 # compiled blocks (ugpum/compute/compile.py): auto (CUDA with Triton) | on | off
+    base_compute: str = "bf16"            # the frozen base's matmuls: bf16 | fp8 | int8 (ugpum/compute/base_compute.py)
 
     def validate(self) -> "TrainConfig":
         """Every setting's type, then its range (against the model where it matters), as one sentence
@@ -249,7 +249,7 @@ class TrainConfig:
 
 
 # Built-in profiles: the settings a newcomer starts from.
-from ..profiles import PROFILES  # noqa: E402,F401 (the built-in profiles; TrainConfig starts from them)
+from ..catalog.profiles import PROFILES  # noqa: E402,F401 (the built-in profiles; TrainConfig starts from them)
 
 
 def load_config(profile: str = "", toml_file: str | Path = "", overrides: dict | None = None) -> TrainConfig:

@@ -23,10 +23,10 @@ if TYPE_CHECKING:
     import torch
 
     from ..arch import ArchSpec
-    from ..plan import Plan
+    from ..planning.plan import Plan
     from .batches import Features, MicroBatches
     from .config import TrainConfig
-    from .run_folder import OpenedRun
+    from .run.folder import OpenedRun
 
 T = TypeVar("T")
 

@@ -19,9 +19,9 @@ from typing import Callable
 import torch
 
 from ..arch import get_spec
-from ..compile import compile_stats
+from ..compute.compile import compile_stats
 from ..formats.atomic import append_line, write_json_atomic
-from ..plan import Plan
+from ..planning.plan import Plan
 from ..wording import setting
 from .batches import Features, MicroBatches, encode_features
 from .config import TrainConfig
@@ -31,8 +31,8 @@ from .errors import RunExists, TrainingError  # noqa: F401 (the engine's errors,
 from .objective import validation_picks
 from .prepare import lr_factor, make_optimizer, plan_for, prepare_model  # noqa: F401 (bench, tests)
 from .progress import Progress
-from .run_folder import OpenedRun, earlier_run, keep_metrics_until, open_run  # noqa: F401 (the nodes)
-from .run_lock import hold_run_folder
+from .run.folder import OpenedRun, earlier_run, keep_metrics_until, open_run  # noqa: F401 (the nodes)
+from .run.lock import hold_run_folder
 from .samples import Samples
 from .stepper import OneProcessStepper
 from .stopping import stop_on_sigterm, stopped_note

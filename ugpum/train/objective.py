@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..diffusion.flow import flow_loss, noisy, sample_timesteps, timestep_method
-from ..dtypes import bf16_autocast
+from ..compute.dtypes import bf16_autocast
 
 TRAINING_GUIDANCE = 1.0     # guidance-distilled models train at 1.0, as musubi-tuner trains them
 VALIDATION_T = (0.25, 0.5, 0.75)

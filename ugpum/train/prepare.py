@@ -9,20 +9,20 @@ from typing import Callable
 import torch
 
 from ..arch import get_spec
-from ..base_compute import QuantiseAsLoaded, check_devices, use_8bit_base
-from ..recompute import recompute_blocks
-from ..compile import compile_blocks
-from ..devices import resolve_devices
-from ..forecast import recompute_line
-from ..dtypes import TORCH_DTYPES
-from ..inplace_guard import guard_inplace_residuals
-from ..place import place_by_plan
-from ..plan import Plan, plan_training
-from ..schedules import DISTRIBUTED_ONLY
+from ..compute.base_compute import QuantiseAsLoaded, check_devices, use_8bit_base
+from ..compute.recompute import recompute_blocks
+from ..compute.compile import compile_blocks
+from ..planning.devices import resolve_devices
+from ..planning.forecast import recompute_line
+from ..compute.dtypes import TORCH_DTYPES
+from ..compute.inplace_guard import guard_inplace_residuals
+from ..placement.place import place_by_plan
+from ..planning.plan import Plan, plan_training
+from ..placement.schedules import DISTRIBUTED_ONLY
 from .config import TrainConfig
 from .errors import TrainingError
 from ..wording import setting
-from ..lora import attach_lora, lora_targets
+from ..compute.lora import attach_lora, lora_targets
 
 
 def plan_for(cfg: TrainConfig) -> Plan:

@@ -11,11 +11,11 @@ from typing import Callable
 
 import torch
 
-from ..diffusion.render_prompt import render
+from ..render.prompt import render
 from ..formats.atomic import atomic_path
 from ..formats.disk_space import is_disk_full
-from ..report import grid, save_animation, to_pil
-from .run_layout import RunFolder
+from ..render.report import grid, save_animation, to_pil
+from .run.layout import RunFolder
 from .video import ClipItem
 
 

@@ -1,6 +1,6 @@
 """The one-process engine behind `train()`: the model placed by the plan on this machine's devices
 (split over its GPUs, blocks swapped from host memory where they do not fit), each step's
-micro-batches pipelined over its stages (`ugpum.pipeline.accumulate`).
+micro-batches pipelined over its stages (`ugpum.placement.pipeline.accumulate`).
 
 A stepper keeps the contract `engine.Stepper` writes down: what `ugpum.train.loop.train` asks of
 its engine. The torchrun engine (`ugpum.distributed.stepper`) keeps it for one rank of a job."""
@@ -10,11 +10,11 @@ from contextlib import AbstractContextManager
 
 import torch
 
-from ..pipeline import accumulate
-from .checkpoint import load_checkpoint
+from ..placement.pipeline import accumulate
+from .run.checkpoint import load_checkpoint
 from .objective import micro_loss, validation_loss
 from .prepare import plan_for, prepare_model
-from .run_folder import save_run
+from .run.folder import save_run
 from .stopping import stop_on_sigterm
 
 

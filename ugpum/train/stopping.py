@@ -55,7 +55,7 @@ def saving(log, stopping: bool = False):
 def stopped_note(out, resume: bool = False) -> str:
     """Where a run stopped outside its steps' own saves stands (reading data, caching features, placing
     the model, validating): what is kept and the command that goes on."""
-    from .checkpoint import latest_checkpoint
+    from .run.checkpoint import latest_checkpoint
     checkpoint = latest_checkpoint(out)
     if checkpoint is not None:
         return (f"stopped before any new step was trained: {out} keeps its checkpoint {checkpoint.name}; "

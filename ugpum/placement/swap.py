@@ -457,7 +457,7 @@ class SwapHandle:
                 raise RuntimeError(
                     "one of the variables needed for gradient computation has been modified by an inplace "
                     f"operation: [{t.type()} {list(t.shape)}] is at version {t._version}; expected version "
-                    f"{version} instead (inside a block swapped by ugpum.swap).")
+                    f"{version} instead (inside a block swapped by ugpum.placement.swap).")
             return t
         block = saved.block
         if block.slot is None or not block.slot.in_use:

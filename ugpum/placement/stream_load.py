@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .formats.finite import is_finite
-from .formats.safetensors_header import Header, read_header
-from .wording import EngineError
+from ..formats.finite import is_finite
+from ..formats.safetensors_header import Header, read_header
+from ..wording import EngineError
 
 TORCH_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from .arch import get_spec
-from .arch.base import latent_frames
+from ..arch import get_spec
+from ..arch.base import latent_frames
 from .devices import Device, parse_device_specs, resolve_devices, with_desktop
 from .plan import GIB, Plan, PlanError, alternatives_text, plan_training
 

@@ -2,7 +2,7 @@
 names a `schedule` setting takes, the order each stage runs its micro-batches in, how many micro-
 batches' activations a stage holds, and which stages a rank holds in a distributed run. No torch.
 
-One process (`ugpum.pipeline` runs these):
+One process (`ugpum.placement.pipeline` runs these):
 
 * ``sequential``: plain gradient accumulation, one micro-batch after another through the whole
   model; 1 micro-batch in flight. The fallback and the reference.

@@ -10,7 +10,7 @@ every hook; nothing of the encoder stays on a GPU when the DiT is placed.
         conds = [clip.encode_from_tokens(clip.tokenize(c)) for c in captions]
 
 How it is split. Inference encodes one caption after another, so the time is the sum of the layers
-wherever they run, and there is nothing to balance (the DiT planner, `ugpum.plan`, balances stage
+wherever they run, and there is nothing to balance (the DiT planner, `ugpum.planning.plan`, balances stage
 times because training pipelines micro-batches). What costs is each GPU crossing, so the encoder
 takes as few GPUs as possible: the first GPU gets the embedding, final norm and as many layers as
 fit its budget (`plan.budget_bytes`), the next GPU the following layers, and so on. An encoder that
@@ -18,7 +18,7 @@ fits the first GPU is left alone (ComfyUI loads it there as usual); one that doe
 all of them is left to ComfyUI too, which streams its weights from host memory layer by layer on
 one GPU: slower, never out of memory, and a warning says so.
 
-How it runs split (`ugpum.place` and `ugpum.route`, as for the DiT). Everything but the layers lives
+How it runs split (`ugpum.placement.place` and `ugpum.placement.route`, as for the DiT). Everything but the layers lives
 on the first device ("home"). The router moves each layer's inputs to its device; the mask and RoPE
 tables, the same for every layer, cross once per device and caption. After each layer the hidden
 state goes back home: the encoders' own forward collects intermediate hidden states (FLUX.2 hands
@@ -42,9 +42,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .copy import move
+from ..placement.copy import move
 from .devices import Device, parse_device_specs
-from .place import Layout, place
+from ..placement.place import Layout, place
 from .plan import GIB, PlanError, budget_bytes
 
 log = logging.getLogger("ugpum")
@@ -145,7 +145,7 @@ def slots_for_devices(devices: list[Device]) -> list[Slot]:
 
 
 def slots_from_plan(plan) -> list[Slot]:
-    """The devices of a DiT plan (`ugpum.plan.Plan`) with the budgets it planned against: caption
+    """The devices of a DiT plan (`ugpum.planning.plan.Plan`) with the budgets it planned against: caption
     caching runs before the DiT is placed, on the same free memory."""
     return [Slot(s.device, s.torch_device, s.budget_gib * GIB) for s in plan.stages]
 
@@ -220,8 +220,8 @@ def plan_text_encoder(sizes: EncoderSizes, slots: list[Slot]) -> TextEncoderPlan
 def forecast_for_model(model_id: str, slots: list[Slot]) -> tuple[TextEncoderPlan, str] | None:
     """The caption-caching step of a catalog model (its text encoder file's size) on `slots`, with
     the file name; None for models without a catalog entry (the tiny test models)."""
-    from .arch.text_encoders import ARCHS
-    from .models_catalog import MODELS
+    from ..arch.text_encoders import ARCHS
+    from ..catalog.models import MODELS
     entry = MODELS.get(model_id)
     arch = ARCHS.get(getattr(entry.text_encoder, "arch", "")) if entry else None
     if arch is None or not slots:

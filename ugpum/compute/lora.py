@@ -10,7 +10,7 @@ GEMM's epilogue (before: matmul, matmul, mul, add, and two casts: every one a pa
 [tokens, out_features]). Autograd needs nothing cached: addmm's backward is two small GEMMs (grad_h =
 scale * grad @ B, grad_B = scale * grad^T @ h) and the A matmul's backward the usual two; the masters
 stay fp32 parameters (under autocast the casts to bf16 are autograd ops, so their gradients land in
-fp32). Inside a block compiled by `ugpum.compile`, the hook is traced into the block's graph (Dynamo
+fp32). Inside a block compiled by `ugpum.compute.compile`, the hook is traced into the block's graph (Dynamo
 inlines module hooks of inbuilt nn.Modules) and inductor fuses what is left.
 """
 from __future__ import annotations

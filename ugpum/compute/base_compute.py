@@ -23,13 +23,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .wording import EngineError
+from ..wording import EngineError
 
 __all__ = ["MODES", "SETTINGS", "use_8bit_base", "QuantiseAsLoaded", "quantise_weight",
            "quantise_rows", "supports", "check_devices", "eight_bit_mode", "QUALITY_CHECK", "BaseComputeError"]
 
 MODES = ("bf16", "fp8", "int8")
-SETTINGS = ("auto",) + MODES       # auto: the planner picks (ugpum.plan.plan_training)
+SETTINGS = ("auto",) + MODES       # auto: the planner picks (ugpum.planning.plan.plan_training)
 # What the H200 showed for each 8-bit mode at full size (klein 9B, three blocks: first, middle, last;
 # bench/results/speed.md): the LoRA gradient of a block with the 8-bit base against the bf16 base.
 QUALITY_CHECK = {"fp8": "LoRA gradients vs the bf16 base: cosine 0.9985 per block (klein 9B, H200)",
@@ -181,7 +181,7 @@ def _class_8bit(cls: type) -> type:
 
 def _effective_weight(layer: nn.Module) -> torch.Tensor:
     """The weight the layer computes with: ComfyUI's ops apply their `weight_function`s (e.g. the scale
-    of a scaled fp8 file, `ugpum.stream_load.ScaledWeight`) to the stored tensor at every call."""
+    of a scaled fp8 file, `ugpum.placement.stream_load.ScaledWeight`) to the stored tensor at every call."""
     w = layer.weight.detach()
     w = w if w.dtype in (torch.float32, torch.bfloat16, torch.float16) else w.float()
     for fn in getattr(layer, "weight_function", None) or ():
@@ -265,7 +265,7 @@ def use_8bit_base(model: nn.Module, linear_paths: list[str], mode: str, log=prin
 
 
 class QuantiseAsLoaded:
-    """`on_weight` for `ugpum.place.place`: each target Linear goes 8-bit (original dropped) the moment
+    """`on_weight` for `ugpum.placement.place.place`: each target Linear goes 8-bit (original dropped) the moment
     its weight arrives from the file, so the GPU never holds the bf16 base, only one layer of it at a time;
     what the planner forecasts for 8-bit (1 byte a weight) is then also the loading peak."""
 

@@ -46,7 +46,7 @@ against central differences):
     exact with it.
 Wan's blocks add residuals out of place; they need neither, and are unaffected by both.
 
-Blocks compiled by ``ugpum.compile`` need the guard as well (the compiler traces with autograd's version
+Blocks compiled by ``ugpum.compute.compile`` need the guard as well (the compiler traces with autograd's version
 checks), and take their private input copies inside the compiled graph, recomputed or not (see that
 module: without the copies, FLUX.2's compiled blocks failed in backward when not recomputed).
 

@@ -9,7 +9,7 @@ reads or writes a run (the loop, saves, resumes, samples, the feature cache, the
       checkpoints/step_NNNNNN/                   LoRA, optimizer state and state.json (checkpoint.py)
       samples/                                  preview images, and before_after.png
       cache/                                    the feature cache (unless cache_dir puts it elsewhere)
-      .ugpum_run.lock                           held while a run writes here (run_lock.py)
+      .ugpum_run.lock                           held while a run writes here (lock.py)
 """
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ def recompute_blocks(model: nn.Module, block_paths: list[str]) -> callable:
 
     Placement hooks run in `Module.__call__`, outside the wrapped forward, so routing happens once
     and is not repeated during recomputation. FLUX.2 blocks also need `guard_inplace_residuals`.
-    A forward compiled by `ugpum.compile` copies its inputs inside its graph and so never writes into
+    A forward compiled by `ugpum.compute.compile` copies its inputs inside its graph and so never writes into
     them: it is recomputed as it is, without `recompute_block`'s eager copies (two per tensor
     argument and block, forward and recomputation).
     """

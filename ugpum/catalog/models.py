@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .profiles import PROFILES as TRAIN_PROFILES
-from .wording import EngineError
+from ..wording import EngineError
 
 HF = "https://huggingface.co"
 
@@ -138,7 +138,7 @@ class Profile:
     frames: int = 1
 
     def workload(self, **overrides):
-        from .arch.base import Workload
+        from ..arch.base import Workload
         values = dict(width=self.width, height=self.height, frames=self.frames,
                       held_dtype=self.dtype)
         values.update(overrides)
@@ -291,7 +291,7 @@ MODELS: dict[str, ModelEntry] = {e.id: e for e in (
 )}
 
 def _profiles() -> dict[str, Profile]:
-    """The training profiles (ugpum.profiles, the one place they are defined) whose
+    """The training profiles (ugpum.catalog.profiles, the one place they are defined) whose
     model has files in this catalog; the tiny random-weight profiles need no files."""
     out = {}
     for name, values in TRAIN_PROFILES.items():
@@ -386,7 +386,7 @@ def model_status(models_dir: str | Path, model_id: str) -> ModelStatus:
 def file_problem(path: Path) -> str | None:
     """Why a model file that is there cannot be loaded, from its header and size alone (no weight is
     read): empty, not a safetensors file, or cut short; None for a whole one."""
-    from .formats.safetensors_header import HeaderError, check_file
+    from ..formats.safetensors_header import HeaderError, check_file
     if path.stat().st_size == 0:
         return "empty (0 bytes)"
     try:

@@ -1,5 +1,5 @@
 """The built-in training profiles, as data: settings of `ugpum.train.config.TrainConfig` by name. The
-training config starts from them, and the model catalog (`ugpum.models_catalog`) reads which model,
+training config starts from them, and the model catalog (`ugpum.catalog.models`) reads which model,
 weights and resolution each trains, to download what it needs. Every profile of a real model names
 its resolution and base weight dtype.
 """

@@ -7,11 +7,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .arch.base import ArchSpec
-from .formats.lora_file import lora_modules
-from .place import place_by_plan
-from .lora import LoraSet
-from .diffusion.render_prompt import render
+from ..arch.base import ArchSpec
+from ..formats.lora_file import lora_modules
+from ..placement.place import place_by_plan
+from ..compute.lora import LoraSet
+from .prompt import render
 
 
 def attach_lora_tensors(model, tensors: dict[str, torch.Tensor]) -> LoraSet:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .arch.base import ACT_BYTES, WEIGHT_BYTES, ArchSpec, BlockSpec, Workload
+from ..arch.base import ACT_BYTES, WEIGHT_BYTES, ArchSpec, BlockSpec, Workload
 
 GIB = 1024 ** 3
 
@@ -88,7 +88,7 @@ def cast_copy_bytes(block: BlockSpec, w: Workload) -> float:
     ops, and autograd keeps each cast copy (2 bytes a weight) until that layer's input gradient is
     computed: a block's weights exist a second time from its (re)computed forward to its backward.
     Weights already in the compute dtype are kept by reference and cost nothing extra, and so are the
-    8-bit base's: its GEMMs read the 1-byte weight itself (ugpum.base_compute saves Wq, not a copy)."""
+    8-bit base's: its GEMMs read the 1-byte weight itself (ugpum.compute.base_compute saves Wq, not a copy)."""
     if w.base_compute in EIGHT_BIT_MODES:
         return 0.0
     return block.params * ACT_BYTES if WEIGHT_BYTES[w.held_dtype] < ACT_BYTES else 0.0

@@ -7,10 +7,10 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from . import cost
-from .arch.base import ACT_BYTES, WEIGHT_BYTES, ArchSpec, Workload
+from ..arch.base import ACT_BYTES, WEIGHT_BYTES, ArchSpec, Workload
 from .devices import Device, gpu_to_gpu_gbps, host_memory, speed_assumed
-from .schedules import best_schedule, in_flight as held_in_flight
-from .wording import EngineError, setting
+from ..placement.schedules import best_schedule, in_flight as held_in_flight
+from ..wording import EngineError, setting
 
 GIB = cost.GIB
 MIB = 1024 ** 2
@@ -59,7 +59,7 @@ class Plan:
     swap_forecast: dict | None          # one GPU (the first) with block swap
     verdict: str
     block_paths: list[str]
-    schedule: str = "sequential"        # the micro-batch order the run uses (ugpum.pipeline)
+    schedule: str = "sequential"        # the micro-batch order the run uses (ugpum.placement.pipeline)
     in_flight: int = 1                  # micro-batches whose activations a stage holds at once
     base_compute: str = "bf16"          # the frozen base's matmuls this plan was made for (auto resolved)
     base_compute_note: str = ""         # why, when base_compute = auto chose
@@ -130,7 +130,7 @@ class StageCosts:
 
     def fixed_kept(self, a: int, b: int) -> tuple[int, ...]:
         """The blocks of [a, b) that keep their activations before auto chooses any: every one under
-        recompute = none (swapped ones too: ugpum.swap rebuilds their saved tensors), else none."""
+        recompute = none (swapped ones too: ugpum.placement.swap rebuilds their saved tensors), else none."""
         return tuple(range(a, b)) if self.w.recompute == "none" else ()
 
     def _memory(self, k: int, a: int, b: int, offloaded: tuple[int, ...],
@@ -395,7 +395,7 @@ def _plan_for_schedule(spec, devices, w, grad_accum, schedule, split) -> Plan:
 def _check_eight_bit(mode: str, devices: list[Device]) -> None:
     """PlanError when a GPU lacks the tensor cores of the 8-bit `mode` asked for (an RTX 30 card has int8
     but no fp8 ones); the CPU's emulation (tests) is not checked here."""
-    from .base_compute import eight_bit_mode
+    from ..compute.base_compute import eight_bit_mode
     if mode == "bf16":
         return
     for d in devices:
@@ -411,7 +411,7 @@ def _check_eight_bit(mode: str, devices: list[Device]) -> None:
 
 def devices_eight_bit_mode(devices: list[Device]) -> str | None:
     """The 8-bit mode every device runs on tensor cores (fp8 if all have it, else int8), or None."""
-    from .base_compute import eight_bit_mode
+    from ..compute.base_compute import eight_bit_mode
     modes = {eight_bit_mode(d.compute_capability if d.torch_device != "cpu" else None) for d in devices}
     if None in modes or not modes:
         return None
@@ -433,7 +433,7 @@ def eight_bit_workload(w: Workload, mode: str) -> Workload:
 
 
 def _quality(mode: str) -> str:
-    from .base_compute import QUALITY_CHECK        # (base_compute imports torch)
+    from ..compute.base_compute import QUALITY_CHECK        # (base_compute imports torch)
     return QUALITY_CHECK[mode]
 
 

@@ -18,8 +18,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from .errors import TrainingError
-from .run_layout import LOCK_NAME, RunFolder  # noqa: F401 (LOCK_NAME: the lock file, named by the run folder)
+from ..errors import TrainingError
+from .layout import LOCK_NAME, RunFolder  # noqa: F401 (LOCK_NAME: the lock file, named by the run folder)
 
 
 try:

@@ -26,14 +26,14 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..formats.atomic import honour_umask, remove_abandoned, write_json_atomic
-from ..formats.disk_space import DiskFull, check_space, full_disk_error
-from ..formats.finite import NonFinite, is_finite, non_finite, shown
-from ..formats.safetensors_header import HeaderError, check_file
-from ..lora import LoraSet
-from .cache import FeatureCache
-from .run_layout import RunFolder
-from ..wording import EngineError, setting
+from ...formats.atomic import honour_umask, remove_abandoned, write_json_atomic
+from ...formats.disk_space import DiskFull, check_space, full_disk_error
+from ...formats.finite import NonFinite, is_finite, non_finite, shown
+from ...formats.safetensors_header import HeaderError, check_file
+from ...compute.lora import LoraSet
+from ..cache import FeatureCache
+from .layout import RunFolder
+from ...wording import EngineError, setting
 
 LATEST = "latest.json"
 

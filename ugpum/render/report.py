@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from PIL import Image, ImageDraw
 
-from .arch.base import WAN_FPS
+from ..arch.base import WAN_FPS
 
 
 def loss_curve(losses: list[float], width: int = 640, height: int = 360, smooth: int = 5) -> Image.Image:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..arch.base import ArchSpec
-from .flow_sampler import comfy_noise, sample
+from ..diffusion.flow_sampler import comfy_noise, sample
 
 
 def guidance_for(spec: ArchSpec, setting: float | None) -> float | None:

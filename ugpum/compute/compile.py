@@ -10,11 +10,11 @@ default since torch 2.5), treats a block's parameters as graph inputs rather tha
 
 What is inside the graph, what stays outside
 ---------------------------------------------
-* LoRA: ``ugpum.lora`` adds adapters as forward hooks on the Linears inside the blocks. Dynamo
+* LoRA: ``ugpum.compute.lora`` adds adapters as forward hooks on the Linears inside the blocks. Dynamo
   traces through ``Module.__call__`` of submodules with their hooks (inbuilt-module inlining), so each
   adapter's ``x @ A^T`` and ``addmm`` are in the block's graph and inductor fuses around them. Checked
   by ``compile_stats`` (``graph_breaks`` 0 on ComfyUI's FLUX.2 and Wan blocks in the tests).
-* The in-place guard's norm pre-hooks (``ugpum.inplace_guard``) are traced the same way. They are still
+* The in-place guard's norm pre-hooks (``ugpum.compute.inplace_guard``) are traced the same way. They are still
   needed: AOT autograd traces the joint graph with autograd's version checks, so compiling a FLUX.2 block
   without them fails.
 * The compiled function works on private copies of the block's tensor arguments, taken inside the graph
@@ -31,10 +31,10 @@ What is inside the graph, what stays outside
   above; the copies at the entry cannot help there. So a class whose forward does not trace as one
   graph (or runs past the recompile limit) runs eagerly from then on, said in one log line
   (``_ClassForward``); Dynamo raises while tracing, before anything ran, so the call is simply redone.
-* Per-block recompute (``ugpum.recompute``) wraps ``block.forward`` *outside* the compiled
+* Per-block recompute (``ugpum.compute.recompute``) wraps ``block.forward`` *outside* the compiled
   function: compile first, wrap for recompute after (``compile_blocks`` refuses a block whose forward is
   already wrapped). Recomputation in backward re-runs the compiled forward.
-* Placement hooks (``ugpum.place``: moving inputs between devices, swap-in) are ``Module.__call__``
+* Placement hooks (``ugpum.placement.place``: moving inputs between devices, swap-in) are ``Module.__call__``
   hooks of the block itself; they run before ``forward`` and are never compiled. A block on another
   device, or a swapped block whose weights sit in a different slot, is the same graph with inputs on
   that device: at most one more compilation per device.

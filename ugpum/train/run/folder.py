@@ -11,20 +11,20 @@ from pathlib import Path
 
 import torch
 
-from ..folders import read_reason
-from ..formats.atomic import atomic_path
-from ..formats.lora_file import lora_metadata, save_lora
-from .batches import load_items
-from .cache import dataset_hash
-from ..formats.fingerprint import weights_fingerprint
+from ...folders import read_reason
+from ...formats.atomic import atomic_path
+from ...formats.lora_file import lora_metadata, save_lora
+from ..batches import load_items
+from ..cache import dataset_hash
+from ...formats.fingerprint import weights_fingerprint
 from .checkpoint import (DiskFull, check_same_run, disk_full, full_disk_kept, header_digest, latest_checkpoint,
                          remove_leftovers, save_checkpoint)
-from .config import TrainConfig
-from .errors import RunExists, TrainingError
-from ..lora import LoraSet, lora_targets
-from .run_layout import RunFolder
-from .stopping import saving
-from ..wording import setting
+from ..config import TrainConfig
+from ..errors import RunExists, TrainingError
+from ...compute.lora import LoraSet, lora_targets
+from .layout import RunFolder
+from ..stopping import saving
+from ...wording import setting
 
 class RunFinished(TrainingError):
     """A resume of a run that has trained all its steps: nothing is left to train."""

@@ -128,9 +128,9 @@ def place(model: nn.Module, layout: Layout, checkpoint: str | Path | None = None
     With `checkpoint`, the model must have been built on the meta device: each unit is allocated on
     its device and filled tensor by tensor from the file (safetensors reads only the bytes asked for).
     `weights_on` (unit path -> device) stores those units' weights elsewhere than they run: block
-    swap keeps offloaded blocks in host memory (`ugpum.swap`); the router still moves their inputs
+    swap keeps offloaded blocks in host memory (`ugpum.placement.swap`); the router still moves their inputs
     to the layout's device. `on_weight(module_path, module)` runs as each weight arrives from the file
-    (`ugpum.base_compute.quantise_as_loaded` makes the frozen Linears 8-bit one by one).
+    (`ugpum.compute.base_compute.quantise_as_loaded` makes the frozen Linears 8-bit one by one).
     """
     storage = dataclasses.replace(layout, blocks={**layout.blocks, **weights_on}) if weights_on else layout
     units = _units(model, layout)
