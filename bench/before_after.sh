@@ -26,13 +26,9 @@ export PYTHONUNBUFFERED=1
 log=$out/session.log
 step() { echo "=== $* ($(date +%T))" | tee -a "$log"; }
 step "unpack ComfyUI, its requirements and the earlier tree"
-[ -f .carry/comfyui/main.py ] || tar -C .carry -xJf .carry/comfyui.tar.xz || exit 1
-if [ ! -f /tmp/site/.done ]; then
-  mkdir -p /tmp/site && xz -dc -T0 .whl/site.tar.xz | tar -C /tmp/site -x && touch /tmp/site/.done || exit 1
-fi
+. bench/device_env.sh
+unpack_comfyui || exit 1
 rm -rf /tmp/before && tar -C /tmp -xJf .carry/before.tar.xz || exit 1
-export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-export COMFYUI_PATH=$PWD/.carry/comfyui
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,power.limit --format=csv,noheader | tee -a "$log"
 k9=/tmp/k9.safetensors
 [ -f $k9 ] || { step "klein 9B write"; timeout 150 python3 bench/place_train.py write --model flux2-klein-9b --path $k9 >> "$log" 2>&1; }

@@ -22,12 +22,8 @@ export PYTHONUNBUFFERED=1
 log=$out/session.log
 step() { echo "=== $* ($(date +%T))" | tee -a "$log"; }
 step "unpack ComfyUI and its requirements"
-[ -f .carry/comfyui/main.py ] || tar -C .carry -xJf .carry/comfyui.tar.xz || exit 1
-if [ ! -f /tmp/site/.done ]; then
-  mkdir -p /tmp/site && xz -dc -T0 .whl/site.tar.xz | tar -C /tmp/site -x && touch /tmp/site/.done || exit 1
-fi
-export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-export COMFYUI_PATH=$PWD/.carry/comfyui
+. bench/device_env.sh
+unpack_comfyui || exit 1
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,power.limit --format=csv,noheader | tee -a "$log"
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' | tee -a "$log"
 echo "ComfyUI $(cat .carry/comfyui/COMMIT)" | tee -a "$log"

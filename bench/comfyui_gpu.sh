@@ -26,12 +26,9 @@ export PYTHONUNBUFFERED=1
 step() { echo "=== $* ($(date +%T))"; }
 
 step "unpack ComfyUI and its requirements"
-[ -f .carry/comfyui/main.py ] || tar -C .carry -xJf .carry/comfyui.tar.xz || exit 1
-if [ ! -f /tmp/site/.done ]; then
-  mkdir -p /tmp/site && xz -dc -T0 .whl/site.tar.xz | tar -C /tmp/site -x && touch /tmp/site/.done || exit 1
-fi
-export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-export COMFYUI_PATH=$PWD/.carry/comfyui UGPUM_TEST_COMFYUI_GPU=1
+. bench/device_env.sh
+unpack_comfyui || exit 1
+export UGPUM_TEST_COMFYUI_GPU=1
 {
   echo "ComfyUI commit $(cat .carry/comfyui/COMMIT), $(grep __version__ .carry/comfyui/comfyui_version.py)"
   python3 - <<'EOF'

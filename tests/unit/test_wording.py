@@ -180,3 +180,9 @@ def test_the_trainer_node_words_an_engine_error_without_flags(comfy, tmp_path):
     said = str(failed.value)
     assert said.startswith("LoRA Trainer: resume on the LoRA Trainer (same save name): the run is finished")
     assert "steps = 600 on the LoRA Trainer for instance." in said and "--" not in said
+
+
+def test_a_library_callers_default_log_names_settings_plainly(capsys):
+    from ugpum.train.loop import print_plain
+    print_plain(f"continue with {setting('resume', '/runs/a {1}')}")
+    assert capsys.readouterr().out == "continue with resume = /runs/a {1}\n"

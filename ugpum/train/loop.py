@@ -22,7 +22,7 @@ from ..arch import get_spec
 from ..compute.compile import compile_stats
 from ..formats.atomic import append_line, write_json_atomic
 from ..planning.plan import Plan
-from ..wording import setting
+from ..wording import plain, setting
 from .batches import Features, MicroBatches, encode_features
 from .config import TrainConfig
 from .divergence import check_step
@@ -57,11 +57,17 @@ class TrainResult:
 @dataclass
 class Hooks:
     """How a front end follows and steers a run (all optional)."""
-    log: Callable = print
+    log: Callable = None                  # (default: print, the settings it names as the settings' own names)
     on_step: Callable[[int, int, float], None] | None = None
     check_interrupt: Callable[[], None] | None = None     # raises to stop (ComfyUI's Cancel)
     on_sample: Callable[[int, object], None] | None = None
     on_partial_lora: Callable[[Path], None] | None = None  # the LoRA a stopped run kept
+
+
+def print_plain(text) -> None:
+    """A library caller's log: the settings the engine names as the settings' own names (`wording.plain`);
+    the command line and the nodes pass their own, which word them as flags and inputs."""
+    print(plain(str(text)))
 
 
 def _quiet(*_args, **_kwargs) -> None:
@@ -80,7 +86,8 @@ def train(cfg: TrainConfig, out: str | Path, model: torch.nn.Module, encoders, k
     same. `hooks`: `Hooks`' fields. Every way the run ends keeps every completed step: a checkpoint, and
     the LoRA so far. The run folder is locked for the run's life (another run into it is refused), and
     SIGTERM stops every phase as Ctrl-C does."""
-    out, stepper, log = Path(out), stepper or OneProcessStepper(plan), hooks.get("log", print)
+    hooks["log"] = hooks.get("log") or print_plain
+    out, stepper, log = Path(out), stepper or OneProcessStepper(plan), hooks["log"]
     with contextlib.ExitStack() as held:
         if stepper.lead:
             held.enter_context(hold_run_folder(out, log))
