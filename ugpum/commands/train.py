@@ -135,15 +135,14 @@ def config_from_args(args) -> TrainConfig:
 def recorded_run(out: str) -> dict:
     """state.json of the newest intact checkpoint of the run in `out`: its settings (identity.config)
     and what it was loaded from (inputs); one sentence when there is none to read."""
-    from ..train.run.checkpoint import latest_checkpoint
+    from ..train.run.checkpoint import latest_checkpoint, read_state
     from ..train.run.layout import RunFolder
     folder = latest_checkpoint(Path(out).expanduser())
     if folder is None:
         raise UsageError(f"--resume {out}: no intact checkpoint in {RunFolder(Path(out)).checkpoints}, so nothing records "
                          "the run's settings; start it again with --profile or --config and --out")
-    import json
     try:
-        return json.loads((folder / "state.json").read_text())
+        return read_state(folder)
     except (OSError, ValueError) as err:
         raise UsageError(f"--resume {out}: cannot read {folder / 'state.json'} ({err}); start the run again with "
                          "--profile or --config and --out") from None

@@ -124,10 +124,7 @@ def _orientation(image: Image.Image) -> int:
     pixels: Pillow would decode the whole image to look for one after them."""
     if image.format == "PNG" and "exif" not in image.info:
         return 1
-    try:
-        return int(image.getexif().get(0x0112, 1))
-    except Exception:  # noqa: BLE001 - a damaged EXIF block is ignored, as exif_transpose does
-        return 1
+    return _loaded_orientation(image)
 
 
 def _loaded_orientation(image: Image.Image) -> int:

@@ -184,6 +184,11 @@ def _write_checkpoint(tmp: Path, final: Path, step: int, lora: LoraSet, optimize
 
 
 CHECKPOINT_FILES = ("lora.safetensors", "optimizer.safetensors", "state.json")
+
+
+def read_state(folder: Path) -> dict:
+    """A checkpoint's state.json: its step, the optimizer's param groups, the run's identity and inputs."""
+    return json.loads((folder / CHECKPOINT_FILES[2]).read_text())
 # Optimizer state shaped as its parameter (AdamW's moments, SGD's momentum, bitsandbytes' 8-bit states).
 SHAPED_AS_PARAMETER = frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "state1", "state2"})
 
@@ -212,7 +217,7 @@ def damage(folder: Path, deep: bool = False) -> str | None:
         if path.stat().st_size == 0:
             return f"{name} is empty"
     try:
-        step = json.loads((folder / "state.json").read_text())["step"]
+        step = read_state(folder)["step"]
     except (OSError, ValueError, KeyError, TypeError):
         return "state.json is damaged"
     if not isinstance(step, int) or folder.name != f"step_{step:06d}":
@@ -286,7 +291,7 @@ def load_checkpoint(folder: Path, lora: LoraSet, optimizer: torch.optim.Optimize
     if problem:
         raise CheckpointError(f"{folder}: cannot resume from it: {problem}")
     try:
-        state = json.loads((folder / "state.json").read_text())
+        state = read_state(folder)
         weights = load_file(str(folder / "lora.safetensors"))
         opt = load_file(str(folder / "optimizer.safetensors"))
     except Exception as e:  # noqa: BLE001 - safetensors' own error type too (a file changed since `damage`)

@@ -18,13 +18,14 @@ from ..batches import load_items
 from ..cache import dataset_hash
 from ...formats.fingerprint import weights_fingerprint
 from .checkpoint import (DiskFull, check_same_run, disk_full, full_disk_kept, header_digest, latest_checkpoint,
-                         remove_leftovers, save_checkpoint)
+                         read_state, remove_leftovers, save_checkpoint)
 from ..config import TrainConfig
 from ..errors import RunExists, TrainingError
 from ...compute.lora import LoraSet, lora_targets
 from .layout import RunFolder
 from ..stopping import saving
 from ...wording import setting
+
 
 class RunFinished(TrainingError):
     """A resume of a run that has trained all its steps: nothing is left to train."""
@@ -163,7 +164,7 @@ def resume_point(out: Path, cfg: TrainConfig, identity: dict, log) -> tuple[Path
     folder = latest_checkpoint(out, log, deep=True)       # (a damaged newer one is skipped, and said so)
     if folder is None:
         raise TrainingError(f"{setting('resume', out)}: no intact checkpoint in {RunFolder(out).checkpoints}; start a new run")
-    state = json.loads((folder / "state.json").read_text())
+    state = read_state(folder)
     check_same_run(state.get("identity") or {}, identity, folder)
     step = state["step"]
     if step == cfg.steps and RunFolder(out).lora(f"{cfg.output_name}.safetensors").is_file():
