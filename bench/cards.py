@@ -280,7 +280,14 @@ def main(argv=None) -> int:
     p.add_argument("--speed-rows", help="also append issue 23's `impl: ugpum_cli` row (bench/results/speed.json's "
                                         "fields) to this JSON lines file")
     p.add_argument("--call", default="", help="which GPU run the speed row belongs to (the peer's --call)")
+    p.add_argument("--experiment", default="", choices=["", "sdpa-default"],
+                   help="a what-if, not the product: sdpa-default = ComfyUI's scaled_dot_product_attention wrapper "
+                        "(0.33 asks for flash attention first) replaced by torch's own choice")
     a = p.parse_args(argv)
+    if a.experiment == "sdpa-default":
+        import comfy_bridge
+        comfy = comfy_bridge.import_comfy(comfy_bridge.find_comfyui_or_raise(), cpu=not torch.cuda.is_available())
+        comfy.ops.scaled_dot_product_attention = torch.nn.functional.scaled_dot_product_attention
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
     config, out = work / "config.toml", work / "run"
@@ -319,7 +326,7 @@ def speed_row(a, row: dict, plan) -> dict:
     later of the run's own metrics.jsonl (the case row's step_seconds; compile and warm-up excluded), with
     the clocks it ran at."""
     timed = row["step_seconds"][4:]
-    return {"model": row["model"], "impl": "ugpum_cli", "mode": row["base_compute"], "compiled": a.compile == "on",
+    return {"model": row["model"], "impl": "ugpum_cli", "experiment": a.experiment, "mode": row["base_compute"], "compiled": a.compile == "on",
             "compile": a.compile, "choice": a.choice, "variant": a.variant, "of": a.of,
         "recompute": a.recompute, "kept_blocks": len(plan.kept_activations) if plan else None,
             "card_gib": a.card_gib, "s_per_step": round(statistics.median(timed), 4) if timed else None,

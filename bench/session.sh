@@ -5,8 +5,10 @@
 # Then one device call, carry [".carry/comfyui.tar.xz", ".carry/comfyui075.tar.xz", ".carry/peer_reference.py", ".whl"]:
 #   bash bench/session.sh "$OUT" SECTION...
 # Sections:
-#   profile   issue 41: a kernel table by op class (bench/profile_steps.py) of the reference peer, of ours on the
-#             newest ComfyUI and of ours on ComfyUI 0.3.75's classes: klein 9B, bf16, recompute all, compiled
+#   profile   issue 41: attention kernels at our shapes (bench/attention_backends.py), then a kernel table by op class
+#             (bench/profile_steps.py) of the reference peer, of ours on the newest ComfyUI, of ours on ComfyUI
+#             0.3.75's classes, and of ours on the newest with torch's own attention choice: klein 9B, bf16,
+#             recompute all, compiled
 #   judge     issue 41's judge: the peer, then ours in each mode and recompute setting (bench/cards.py speed rows)
 # Every case is its own process and appends its row as it ends (OUT/cases.jsonl: bench/cards.py's rows,
 # OUT/speed.jsonl: speed rows beside the peer's), so a call cut short keeps what it measured; OUT/session.log
@@ -58,9 +60,13 @@ ours="--model-file $k9 --steps 14"
 for s in $sections; do
   case $s in
   profile)
+    step "attention backends"
+    timeout 120 python3 bench/attention_backends.py --rows "$out/attention.jsonl" 2>&1 | tee -a "$log" | tail -12
     PROFILE=1 peer prof-peer
     PROFILE=1 TRACE=1 case_row prof-ours-033-bf16-all "$COMFYUI_PATH" $ours --base-compute bf16 --recompute all
-    PROFILE=1 case_row prof-ours-075-bf16-all "$COMFYUI_075" $ours --base-compute bf16 --recompute all ;;
+    PROFILE=1 case_row prof-ours-075-bf16-all "$COMFYUI_075" $ours --base-compute bf16 --recompute all
+    PROFILE=1 case_row prof-ours-033-bf16-all-sdpa-default "$COMFYUI_PATH" $ours --base-compute bf16 --recompute all \
+      --experiment sdpa-default ;;
   judge)
     peer judge-peer
     for m in bf16 fp8 int8; do case_row judge-$m-all "$COMFYUI_PATH" $ours --base-compute $m --recompute all; done
