@@ -280,14 +280,13 @@ def main(argv=None) -> int:
     p.add_argument("--speed-rows", help="also append issue 23's `impl: ugpum_cli` row (bench/results/speed.json's "
                                         "fields) to this JSON lines file")
     p.add_argument("--call", default="", help="which GPU run the speed row belongs to (the peer's --call)")
-    p.add_argument("--experiment", default="", choices=["", "sdpa-default"],
-                   help="a what-if, not the product: sdpa-default = ComfyUI's scaled_dot_product_attention wrapper "
-                        "(0.33 asks for flash attention first) replaced by torch's own choice")
+    p.add_argument("--experiment", default="", choices=["", "comfy-attention"],
+                   help="a what-if, not the product: comfy-attention = attention as ComfyUI would choose it (0.33 asks "
+                        "for flash attention first) instead of ugpum.arch.attention's torch_attention")
     a = p.parse_args(argv)
-    if a.experiment == "sdpa-default":
-        import comfy_bridge
-        comfy = comfy_bridge.import_comfy(comfy_bridge.find_comfyui_or_raise(), cpu=not torch.cuda.is_available())
-        comfy.ops.scaled_dot_product_attention = torch.nn.functional.scaled_dot_product_attention
+    if a.experiment == "comfy-attention":
+        import ugpum.arch.attention as attention
+        attention.torch_attention = lambda comfy_attention, *args, **kwargs: comfy_attention(*args, **kwargs)
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
     config, out = work / "config.toml", work / "run"

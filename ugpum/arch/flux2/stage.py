@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from ..attention import training_options
 from ..stage import Stage, StageRange, model_namespace
 
 
@@ -58,7 +59,7 @@ class Flux2Stage(Stage):
                 y = torch.zeros((bs, m.params.vec_in_dim), device=x.device, dtype=dtype)
                 vec = vec + m.vector_in(y)
             vec_orig = vec
-            options: dict = {}
+            options = training_options()
             if rng.start < D:
                 img, txt = streams
                 double_vec = (m.double_stream_modulation_img(vec_orig), m.double_stream_modulation_txt(vec_orig)) \

@@ -6,6 +6,7 @@ every block reads are recomputed on each stage, so each keeps the time and text 
 (`every_stage_modules`)."""
 from __future__ import annotations
 
+from ..attention import training_options
 from ..stage import Stage, model_namespace
 
 
@@ -36,7 +37,8 @@ class WanStage(Stage):
             e = e.reshape(timestep.shape[0], -1, e.shape[-1])
             e0 = m.time_projection(e).unflatten(2, (6, m.dim))
             ctx = m.text_embedding(context)
-            options = {"grid_sizes": grid_sizes, "total_blocks": len(m.blocks), "block_type": "double"}
+            options = {**training_options(), "grid_sizes": grid_sizes, "total_blocks": len(m.blocks),
+                       "block_type": "double"}
             for i in range(rng.start, rng.end):
                 options["block_index"] = i
                 hs = m.blocks[i](hs, e=e0, freqs=freqs, context=ctx, context_img_len=None,
