@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from ..arch.attention import training_options
 from ..diffusion.flow import flow_loss, noisy, sample_timesteps, timestep_method
 from ..compute.dtypes import bf16_autocast
 
@@ -44,7 +45,7 @@ def loss_at(model, spec, cfg, x0: torch.Tensor, noise: torch.Tensor, t: torch.Te
     device = torch.device(first)
     kw = model_inputs(cfg, spec, x0, noise, t, context, device)
     with bf16_autocast(cfg.autocast, cfg.weight_dtype, device):
-        pred = model(kw.pop("x"), kw.pop("timestep"), kw.pop("context"), transformer_options={}, **kw)
+        pred = model(kw.pop("x"), kw.pop("timestep"), kw.pop("context"), transformer_options=training_options(), **kw)
     out = pred.device
     return flow_loss(pred.float(), x0.to(out), noise.to(out), t.to(out), weighting)
 
