@@ -71,9 +71,9 @@ for s in $sections; do
     step "attention backends"
     timeout 90 python3 bench/attention_backends.py --rows "$out/attention.jsonl" 2>&1 | tee -a "$log" | tail -12
     PROFILE=1 case_row prof-ours-033-bf16-all "$COMFYUI_PATH" $ours --base-compute bf16 --recompute all
-    PROFILE=1 case_row prof-ours-075-bf16-all "$COMFYUI_075" $ours --base-compute bf16 --recompute all
     PROFILE=1 case_row prof-ours-033-bf16-all-comfy-attention "$COMFYUI_PATH" $ours --base-compute bf16 \
       --recompute all --experiment comfy-attention
+    PROFILE=1 case_row prof-ours-075-bf16-all "$COMFYUI_075" $ours --base-compute bf16 --recompute all
     PROFILE=1 peer prof-peer ;;
   judge)           # (after profile in the same call: its bf16 rows and its peer stand)
     [ -n "${peer_done:-}" ] || peer judge-peer
