@@ -52,9 +52,16 @@ def op_class(name: str) -> str:
     return "other"
 
 
+def is_annotation(name: str) -> bool:
+    """A range the profiler draws on the GPU's timeline beside the kernels (the step, a compiled graph's call,
+    the optimizer's step): it spans kernels, it is none."""
+    return name.startswith(("ProfilerStep", "## ", "Optimizer.", "autograd::", "CompiledFunction"))
+
+
 def kernel_events(prof) -> tuple[list, bool]:
     """(events, on_gpu): the device kernels and copies of the recorded steps, else the CPU's aten ops."""
-    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+              and not getattr(e, "is_user_annotation", False) and not is_annotation(e.name)]
     if events:
         return events, True
     top = [e for e in prof.events() if e.name.startswith("aten::")
@@ -136,8 +143,29 @@ def write_table(summary: dict, path: Path, label: str) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
+def retable(path: Path) -> None:
+    """Rewrite OUT.json and OUT.txt of a profile recorded before annotations were told from kernels
+    (2026-12-07's first tables): the annotation rows leave the top kernels, their time leaves their class and
+    the kernel total, and the GPU's busy time (then the step's whole span) is dropped."""
+    s = json.loads(path.read_text())
+    dropped = [k for k in s["top_kernels"] if is_annotation(k["name"])]
+    gone = sum(k["ms_per_step"] for k in dropped)
+    s["top_kernels"] = [k for k in s["top_kernels"] if not is_annotation(k["name"])]
+    for k in dropped:
+        s["by_class_ms_per_step"][k["class"]] = round(s["by_class_ms_per_step"][k["class"]] - k["ms_per_step"], 2)
+    s["by_class_ms_per_step"] = dict(sorted(s["by_class_ms_per_step"].items(), key=lambda kv: -kv[1]))
+    s["kernel_ms_per_step"], s["gpu_busy_ms_per_step"] = round(s["kernel_ms_per_step"] - gone, 1), None
+    s["retabled"] = f"annotation rows removed from the top kernels and 'other': {', '.join(k['name'][:40] for k in dropped)}"
+    path.write_text(json.dumps(s, indent=1))
+    write_table(s, path.with_suffix(".txt"), s["label"])
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--retable"]:
+        for name in argv[1:]:
+            retable(Path(name))
+        return 0
     if "--" not in argv:
         sys.exit("usage: profile_steps.py --out PREFIX [--skip N] [--active N] -- (PROGRAM.py | -m MODULE) [ARGS...]")
     cut = argv.index("--")
