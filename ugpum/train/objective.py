@@ -25,13 +25,22 @@ def training_guidance(spec, setting: float | None) -> float | None:
     return TRAINING_GUIDANCE if setting is None else float(setting)
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`t` on `device`. From the host to a GPU through pinned memory, without waiting: a plain copy from pageable
+    memory makes the host wait for the GPU to finish all it was given (six times a step before, klein 9B on an
+    H100: bench/results/README.md)."""
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def model_inputs(cfg, spec, x0, noise, t, context, device) -> dict:
     """The keyword inputs of ComfyUI's DiT (and of every pipeline stage) for samples x0 [B, ...]
     noised to timesteps t [B]: the noised latent, the scaled timestep, the text and, for models that
     have it, guidance."""
     device = torch.device(device)
-    kw = {"x": noisy(x0, noise, t).to(device), "timestep": (t * spec.timestep_scale).to(device),
-          "context": context.to(device)}
+    kw = {"x": to_device(noisy(x0, noise, t), device), "timestep": to_device(t * spec.timestep_scale, device),
+          "context": to_device(context, device)}
     guidance = training_guidance(spec, cfg.guidance)      # FLUX.2 dev: without it ComfyUI skips the embedder
     if guidance is not None:
         kw["guidance"] = torch.full((x0.shape[0],), guidance, device=device)
@@ -47,7 +56,7 @@ def loss_at(model, spec, cfg, x0: torch.Tensor, noise: torch.Tensor, t: torch.Te
     with bf16_autocast(cfg.autocast, cfg.weight_dtype, device):
         pred = model(kw.pop("x"), kw.pop("timestep"), kw.pop("context"), transformer_options=training_options(), **kw)
     out = pred.device
-    return flow_loss(pred.float(), x0.to(out), noise.to(out), t.to(out), weighting)
+    return flow_loss(pred.float(), to_device(x0, out), to_device(noise, out), to_device(t, out), weighting)
 
 
 def micro_batch_inputs(cfg, spec, latents: list[torch.Tensor], contexts: list[torch.Tensor], k: int):
