@@ -8,7 +8,7 @@ from comfy_api.latest import io, ui
 
 from ugpum.arch import recognise
 from ugpum.planning.devices import parse_device_specs
-from ugpum.planning.plan import eight_bit_summary
+from ugpum.planning.plan import auto_summary
 
 from .errors import UGPUMError, user_errors
 from .types import UGPUM_MODEL, UGPUMModel
@@ -68,7 +68,7 @@ class UGPUMLoader(io.ComfyNode):
         model = UGPUMModel(family=spec.family, model_id=spec.id, title=spec.title, path=os.path.abspath(path),
                            file_name=dit_name, key_prefix=prefix, stored_dtype=stored,
                            weight_dtype=WEIGHT_DTYPES[weight_dtype] or stored, devices=specs, spec=spec)
-        text = model.describe() + ("\n" + eight_bit_summary(found) if found else "")
+        text = model.describe() + ("\n" + auto_summary(found) if found else "")
         hint = companion_files_hint(spec.id)
         return io.NodeOutput(model, ui=ui.PreviewText(text + ("\n" + hint if hint else "")))
 

@@ -10,6 +10,7 @@ import json
 import statistics
 from pathlib import Path
 
+from ugpum.compute.modes import held_dtype
 from ugpum.planning import cost
 from ugpum.arch import get_spec
 from ugpum.arch.base import Workload
@@ -39,12 +40,11 @@ def rows() -> list[dict]:
 
 
 def workload(row: dict) -> Workload:
-    eight_bit = row["base_compute"] in cost.EIGHT_BIT_MODES
     words = row["command"].split()
     rank = int(words[words.index("--rank") + 1]) if "--rank" in words else 16
     return Workload(width=row["resolution"], height=row["resolution"], frames=row["frames"], rank=rank,
                     compiled=row.get("compile", "on") != "off", base_compute=row["base_compute"],
-                    held_dtype="fp8" if eight_bit else "bf16", recompute=row["recompute"])
+                    held_dtype=held_dtype(row["base_compute"], "bf16"), recompute=row["recompute"])
 
 
 def unit_bytes(row: dict, spec, w: Workload) -> float:

@@ -246,9 +246,13 @@ def _strings(node: ast.AST) -> set[str]:
     return {i.value for i in items if isinstance(i, ast.Constant) and isinstance(i.value, str)}
 
 
-def family_branches(path: Path, families: set[str]) -> list[str]:
-    """Where `path` asks which family a model is: a comparison (==, !=, in, not in) of a family's name,
-    or of anything called `family` with a string; a dict literal or a match case keyed by a family's name."""
+def branches_on(path: Path, names: set[str], label: str, called: str | None = None,
+                settings_like: set[str] = frozenset(), keys: set[str] | None = None) -> list[str]:
+    """Where `path` asks which of `names` (families, compute modes) a value is: a comparison (==, !=, in,
+    not in) of one of them with a value not named in `settings_like` (other settings spelled like one of
+    `names`), or of anything `called` so with any string; a dict literal keyed by one of `keys` (default
+    `names`); a match case for one of `names`."""
+    keys = names if keys is None else keys
     found = []
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.Compare):
@@ -257,15 +261,19 @@ def family_branches(path: Path, families: set[str]) -> list[str]:
                 if not isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn)):
                     continue
                 for x, y in ((a, b), (b, a)):
-                    if (_named(x) == "family" and _strings(y)) or \
-                            (_strings(x) & families and _named(y) not in SETTINGS_NAMED_LIKE_A_FAMILY):
-                        found.append(f"{path.name}:{node.lineno} compares a family")
+                    if (called and _named(x) == called and _strings(y)) or \
+                            (_strings(x) & names and _named(y) not in settings_like):
+                        found.append(f"{path.name}:{node.lineno} compares a {label}")
                         break
-        elif isinstance(node, ast.Dict) and families & {k.value for k in node.keys if isinstance(k, ast.Constant)}:
-            found.append(f"{path.name}:{node.lineno} a dict keyed by family")
-        elif isinstance(node, ast.MatchValue) and isinstance(node.value, ast.Constant) and node.value.value in families:
-            found.append(f"{path.name}:{node.lineno} a case for a family")
+        elif isinstance(node, ast.Dict) and keys & {k.value for k in node.keys if isinstance(k, ast.Constant)}:
+            found.append(f"{path.name}:{node.lineno} a dict keyed by {label}")
+        elif isinstance(node, ast.MatchValue) and isinstance(node.value, ast.Constant) and node.value.value in names:
+            found.append(f"{path.name}:{node.lineno} a case for a {label}")
     return sorted(set(found), key=lambda f: int(f.split(":")[1].split()[0]))
+
+
+def family_branches(path: Path, families: set[str]) -> list[str]:
+    return branches_on(path, families, "family", "family", SETTINGS_NAMED_LIKE_A_FAMILY)
 
 
 def test_no_code_outside_arch_asks_which_family_a_model_is(tmp_path):
@@ -290,6 +298,53 @@ def test_no_code_outside_arch_asks_which_family_a_model_is(tmp_path):
     outside = [p for p in sorted(PACKAGE.rglob("*.py")) + sorted((REPO / "nodes").rglob("*.py"))
                if not p.is_relative_to(arch)]
     assert [f for p in outside for f in family_branches(p, families)] == []
+
+
+# A compute mode's behaviour lives in its file, ugpum/compute/modes/<mode>.py: elsewhere the code asks the mode
+# (ComputeMode's members), never which mode a setting names. bf16 and fp8 are weight dtypes too: compared as
+# one of these settings, or keyed in a table of weight dtypes, they mean the dtype.
+WEIGHT_DTYPE_SETTINGS = {"held_dtype", "weight_dtype", "stored_dtype", "default_dtype", "dtype", "stored"}
+
+
+def mode_branches(path: Path, modes: set[str]) -> list[str]:
+    from ugpum.arch.base import WEIGHT_BYTES
+    return branches_on(path, modes, "compute mode", settings_like=WEIGHT_DTYPE_SETTINGS, keys=modes - set(WEIGHT_BYTES))
+
+
+def test_no_code_outside_the_modes_folder_asks_which_compute_mode_a_setting_is(tmp_path):
+    from ugpum.compute.modes import NAMES
+    modes = set(NAMES)
+    assert modes >= {"bf16", "fp8", "int8"}
+    sample = tmp_path / "sample.py"
+    sample.write_text("\n".join([
+        'if plan.base_compute == "bf16": pass',                           # 1
+        'eight_bit = mode in ("fp8", "int8")',                            # 2
+        'SPEED = {"bf16": 1.0, "int8": 0.9}',                             # 3
+        'match w.base_compute:',
+        '    case "fp8": pass',                                           # 5
+        'fine = w.held_dtype != "fp8" or weight_dtype == "bf16" or setting == "auto"',
+        'fine = {"bf16": 2, "fp8": 1}, mode_named(w.base_compute).quantises',
+    ]) + "\n")
+    assert mode_branches(sample, modes) == ["sample.py:1 compares a compute mode", "sample.py:2 compares a compute mode",
+                                            "sample.py:3 a dict keyed by compute mode",
+                                            "sample.py:5 a case for a compute mode"]
+    folder = PACKAGE / "compute" / "modes"
+    outside = [p for p in sorted(PACKAGE.rglob("*.py")) + sorted((REPO / "nodes").rglob("*.py"))
+               + [REPO / "comfy_bridge.py"] if not p.is_relative_to(folder)]
+    assert [f for p in outside for f in mode_branches(p, modes)] == []
+
+
+def test_each_compute_mode_is_one_file_the_registry_finds():
+    from ugpum.compute.modes import EXACT, MODES, SETTINGS, mode_named
+    from ugpum.compute.modes.mode import ComputeMode
+    folder = PACKAGE / "compute" / "modes"
+    files = sorted(p.stem for p in folder.glob("*.py") if re.search(r"^MODE = ", p.read_text(encoding="utf-8"), re.M))
+    assert sorted(m.name for m in MODES) == files and {"bf16", "fp8", "int8"} <= set(files)
+    assert SETTINGS == ("auto", *(m.name for m in MODES)) and [m for m in MODES if not m.quantises] == [EXACT]
+    for mode in MODES:
+        assert isinstance(mode, ComputeMode) and type(mode).__module__ == f"ugpum.compute.modes.{mode.name}"
+        assert mode_named(mode.name) is mode and set(mode.dense_speed) == {"compiled", "eager"}
+        assert not mode.quantises or (mode.quality and type(mode).matmul is not ComputeMode.matmul)
 
 
 def test_each_family_is_one_folder_the_registry_finds_with_every_member_the_code_asks_for():

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..arch import get_spec, recognise
+from ..compute.modes import SETTINGS as BASE_COMPUTE_SETTINGS
 from ..planning.devices import CPU_TRAINABLE_PARAMS, resolve_devices
 from ..placement.schedules import ALL_SETTINGS
 from ..compute.dtypes import TORCH_DTYPES
@@ -90,7 +91,7 @@ def add_train_parser(sub) -> None:
     p.add_argument("--sample-every", type=int, metavar="N", help="render a sample every N steps (0: never)")
     p.add_argument("--compile", choices=["auto", "on", "off"],
                    help="compiled blocks (default auto: on CUDA GPUs with Triton; says once why not elsewhere)")
-    p.add_argument("--base-compute", choices=["auto", "bf16", "fp8", "int8"],
+    p.add_argument("--base-compute", choices=BASE_COMPUTE_SETTINGS,
                    help="the frozen base's matmuls (default bf16; fp8 on Ada/Hopper/Blackwell, int8 on Ampere)")
     # past one machine (README "Past one machine"): under torchrun, one pipeline stage per rank
     p.add_argument("--distributed", action="store_true",

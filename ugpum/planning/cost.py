@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from ..arch.base import ACT_BYTES, WEIGHT_BYTES, ArchSpec, BlockSpec, Workload
+from ..compute.modes import mode_named
 
 GIB = 1024 ** 3
 
@@ -20,7 +21,6 @@ DENSE_BACKWARD = 1.0
 ATTENTION_BACKWARD = 2.5
 # LoRA parameter bytes: fp32 master weight + fp32 gradient + AdamW's two fp32 moments.
 LORA_BYTES_PER_PARAM = 16
-EIGHT_BIT_MODES = ("fp8", "int8")
 
 
 def _compiled(w: Workload) -> str:
@@ -40,8 +40,8 @@ def efficiency(spec: ArchSpec, w: Workload) -> float:
 
 def dense_speed(w: Workload) -> float:
     """The base's dense matmuls in `w.base_compute` as a multiple of their bf16 speed (attention and the
-    LoRA unchanged)."""
-    return CALIBRATION["time"][f"{_compiled(w)}_dense_speed"][w.base_compute]
+    LoRA unchanged): the mode's measured factor (ugpum/compute/modes/)."""
+    return mode_named(w.base_compute).dense_speed[_compiled(w)]
 
 
 def block_flops_split(spec: ArchSpec, block: BlockSpec, w: Workload) -> tuple[float, float]:
@@ -87,9 +87,9 @@ def cast_copy_bytes(block: BlockSpec, w: Workload) -> float:
     """Weights stored below the compute precision (fp8) are cast per matmul by ComfyUI's manual-cast
     ops, and autograd keeps each cast copy (2 bytes a weight) until that layer's input gradient is
     computed: a block's weights exist a second time from its (re)computed forward to its backward.
-    Weights already in the compute dtype are kept by reference and cost nothing extra, and so are the
-    8-bit base's: its GEMMs read the 1-byte weight itself (ugpum.compute.base_compute saves Wq, not a copy)."""
-    if w.base_compute in EIGHT_BIT_MODES:
+    Weights already in the compute dtype are kept by reference and cost nothing extra, and so are those of a
+    quantised base: its GEMMs read the quantised weight itself (ugpum.compute.base_compute saves Wq, not a copy)."""
+    if mode_named(w.base_compute).quantises:
         return 0.0
     return block.params * ACT_BYTES if WEIGHT_BYTES[w.held_dtype] < ACT_BYTES else 0.0
 

@@ -8,6 +8,7 @@ from functools import lru_cache
 
 from . import cost
 from ..arch.base import ACT_BYTES, WEIGHT_BYTES, ArchSpec, Workload
+from ..compute.modes import AUTO, EXACT, fastest_mode_for, mode_named, tensor_core_modes
 from .devices import Device, gpu_to_gpu_gbps, host_memory, speed_assumed
 from ..placement.schedules import best_schedule, in_flight as held_in_flight
 from ..wording import EngineError, setting
@@ -63,7 +64,7 @@ class Plan:
     in_flight: int = 1                  # micro-batches whose activations a stage holds at once
     base_compute: str = "bf16"          # the frozen base's matmuls this plan was made for (auto resolved)
     base_compute_note: str = ""         # why, when base_compute = auto chose
-    alternatives: list[dict] = field(default_factory=list)   # 8-bit plans shown when bf16 needs swap
+    alternatives: list[dict] = field(default_factory=list)   # quantised plans shown when bf16 needs swap
     recompute: str = "all"              # the setting this plan was made for (ugpum.arch.base.RECOMPUTE_SETTINGS)
     recompute_saved_s: float = 0.0      # seconds per step the kept activations save against recompute all
     forecast_host_gib: float = 0.0      # the process's peak host memory (pinned swap copies included)
@@ -121,9 +122,9 @@ class StageCosts:
         top = max(saving, default=1.0) or 1.0
         self.keep_order = sorted(range(len(spec.blocks)), key=lambda i: (
             -round(saving[i] / top, 9), self.kept[False][i] - self.kept[True][i], i))
-        # embedders and modulations are held like the blocks (1 byte each in fp8 weights), except under the
-        # 8-bit base, which quantises only the blocks' Linears: the rest stays as loaded (bf16 counted)
-        outside = ACT_BYTES if w.base_compute in cost.EIGHT_BIT_MODES else WEIGHT_BYTES[w.held_dtype]
+        # embedders and modulations are held like the blocks (1 byte each in fp8 weights), except under a
+        # quantised base, which quantises only the blocks' Linears: the rest stays as loaded (bf16 counted)
+        outside = ACT_BYTES if mode_named(w.base_compute).quantises else WEIGHT_BYTES[w.held_dtype]
         self.head = spec.head_params * outside + w.batch * w.text_tokens * spec.context_dim * ACT_BYTES
         self.tail = spec.tail_params * outside
         self.stage = lru_cache(maxsize=None)(self._stage)
@@ -341,8 +342,8 @@ def make_plan(spec: ArchSpec, devices: list[Device], w: Workload, grad_accum: in
     """The best plan (or the given `split`: blocks per device) with its forecast."""
     if not devices:
         raise PlanError(f"no device to plan for: give at least one {setting('gpu')} (e.g. 16GiB, rtx4090, auto)")
-    if w.base_compute == "auto":                  # (callers that plan below plan_training)
-        w = eight_bit_workload(w, choose_base_compute(spec, devices, w, grad_accum, split=split).base_compute)
+    if w.base_compute == AUTO:                    # (callers that plan below plan_training)
+        w = workload_in_mode(w, choose_base_compute(spec, devices, w, grad_accum, split=split).base_compute)
     solved = _solve(spec, devices, w, grad_accum, in_flight, split)
     if solved is None:
         raise PlanError(_explain_failure(spec, devices, w, grad_accum, in_flight))
@@ -372,13 +373,13 @@ def plan_training(spec: ArchSpec, devices: list[Device], w: Workload, grad_accum
     and the micro-batch schedule, with the activations of every micro-batch that schedule keeps in
     flight counted in each stage's memory. `schedule` "auto" takes the fastest order for the split.
     `w.base_compute` "auto" picks the base's precision (`choose_base_compute`); a bf16 plan that swaps
-    blocks lists the 8-bit plans the devices could run instead (`Plan.alternatives`)."""
-    if w.base_compute == "auto":
+    blocks lists the quantised plans the devices could run instead (`Plan.alternatives`)."""
+    if w.base_compute == AUTO:
         return choose_base_compute(spec, devices, w, grad_accum, schedule, split)
-    _check_eight_bit(w.base_compute, devices)
+    _check_tensor_cores(w.base_compute, devices)
     plan = _plan_for_schedule(spec, devices, w, grad_accum, schedule, split)
-    if w.base_compute == "bf16" and plan.offloaded_blocks:
-        plan.alternatives = _eight_bit_alternatives(spec, devices, w, grad_accum, schedule, split)
+    if not mode_named(w.base_compute).quantises and plan.offloaded_blocks:
+        plan.alternatives = _quantised_alternatives(spec, devices, w, grad_accum, schedule, split)
     return plan
 
 
@@ -392,110 +393,109 @@ def _plan_for_schedule(spec, devices, w, grad_accum, schedule, split) -> Plan:
     return plan
 
 
-def _check_eight_bit(mode: str, devices: list[Device]) -> None:
-    """PlanError when a GPU lacks the tensor cores of the 8-bit `mode` asked for (an RTX 30 card has int8
-    but no fp8 ones); the CPU's emulation (tests) is not checked here."""
-    from ..compute.base_compute import eight_bit_mode
-    if mode == "bf16":
-        return
+def _check_tensor_cores(mode: str, devices: list[Device]) -> None:
+    """PlanError when a GPU lacks the tensor cores of the `mode` asked for (an RTX 30 card has int8 but no
+    fp8 ones); the CPU's emulation (tests) is not checked here."""
+    chosen = mode_named(mode)
     for d in devices:
-        if d.torch_device == "cpu" or d.compute_capability is None:
+        if d.torch_device == "cpu" or d.compute_capability is None or chosen.runs_on(d.compute_capability):
             continue
-        has = eight_bit_mode(d.compute_capability)
-        if has is None or (mode == "fp8" and has != "fp8"):
-            other = (f"{setting('base_compute', has)} runs on its {has} tensor cores, or " if has else "")
-            raise PlanError(f"base compute {mode} needs {mode} tensor cores and {d.label} has none (compute "
-                            f"capability {d.compute_capability[0]}.{d.compute_capability[1]}): {other}"
-                            f"{setting('base_compute', 'bf16')} computes in bf16")
+        has = fastest_mode_for([d.compute_capability])
+        other = (f"{setting('base_compute', has.name)} runs on its {has.name} tensor cores, or " if has else "")
+        raise PlanError(f"base compute {mode} needs {mode} tensor cores and {d.label} has none (compute "
+                        f"capability {d.compute_capability[0]}.{d.compute_capability[1]}): {other}"
+                        f"{setting('base_compute', EXACT.name)} computes in {EXACT.name}")
 
 
-def devices_eight_bit_mode(devices: list[Device]) -> str | None:
-    """The 8-bit mode every device runs on tensor cores (fp8 if all have it, else int8), or None."""
-    from ..compute.base_compute import eight_bit_mode
-    modes = {eight_bit_mode(d.compute_capability if d.torch_device != "cpu" else None) for d in devices}
-    if None in modes or not modes:
-        return None
-    return "int8" if "int8" in modes else "fp8"
+def devices_mode(devices: list[Device]):
+    """The tensor-core mode every device runs (the first in the modes' order), or None (a CPU among them)."""
+    return fastest_mode_for([d.compute_capability if d.torch_device != "cpu" else None for d in devices])
 
 
-def eight_bit_summary(devices: list[Device]) -> str:
+def auto_summary(devices: list[Device]) -> str:
     """One line for the Loader: which base compute auto would take on these devices where bf16 needs swap."""
-    mode = devices_eight_bit_mode(devices)
+    mode = devices_mode(devices)
     if mode is None:
-        return "base compute auto: bf16 (no 8-bit tensor cores on these devices)"
-    why = "fp8 tensor cores" if mode == "fp8" else "int8 tensor cores, no fp8 (Ampere)"
-    return f"base compute auto: bf16 where the model fits without block swap, else {mode} ({why})"
+        return f"base compute auto: {EXACT.name} (no tensor cores for {_mode_list()} on these devices)"
+    faster = [m.name for m in tensor_core_modes() if m.order < mode.order]     # (modes these devices lack)
+    lacking = f", no {' or '.join(faster)}" if faster else ""
+    return (f"base compute auto: {EXACT.name} where the model fits without block swap, else {mode.name} "
+            f"({mode.name} tensor cores{lacking})")
 
 
-def eight_bit_workload(w: Workload, mode: str) -> Workload:
-    """`w` with its base in `mode`: 1 byte a weight on the GPUs."""
-    return dataclasses.replace(w, base_compute=mode, held_dtype="fp8" if mode != "bf16" else w.held_dtype)
+def _mode_list() -> str:
+    names = [m.name for m in tensor_core_modes()]
+    return " or ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
 
 
-def _quality(mode: str) -> str:
-    from ..compute.base_compute import QUALITY_CHECK        # (base_compute imports torch)
-    return QUALITY_CHECK[mode]
+def workload_in_mode(w: Workload, mode: str) -> Workload:
+    """`w` with its base in `mode`, held as the mode holds it on the GPUs."""
+    return dataclasses.replace(w, base_compute=mode, held_dtype=mode_named(mode).held_dtype or w.held_dtype)
 
 
-def _eight_bit_alternatives(spec, devices, w, grad_accum, schedule, split) -> list[dict]:
-    """The 8-bit plans the devices can run, as rows: mode, memory, s/step, blocks swapped, quality."""
-    best = devices_eight_bit_mode(devices)
+def _quantised_alternatives(spec, devices, w, grad_accum, schedule, split) -> list[dict]:
+    """The quantised plans the devices can run, as rows: mode, memory, s/step, blocks swapped, quality."""
+    runs = [d.compute_capability if d.torch_device != "cpu" else None for d in devices]
     rows = []
-    for mode in ([best] if best == "int8" else ["fp8", "int8"]) if best else []:
+    for mode in tensor_core_modes():
+        if not all(mode.runs_on(c) for c in runs):
+            continue
         try:
-            alt = _plan_for_schedule(spec, devices, eight_bit_workload(w, mode), grad_accum, schedule, split)
+            alt = _plan_for_schedule(spec, devices, workload_in_mode(w, mode.name), grad_accum, schedule, split)
         except PlanError:
             continue
-        rows.append({"base_compute": mode, "forecast_gib": max(s.forecast_gib for s in alt.stages),
+        rows.append({"base_compute": mode.name, "forecast_gib": max(s.forecast_gib for s in alt.stages),
                      "predicted_step_s": alt.predicted_step_s, "swapped_blocks": len(alt.offloaded_blocks),
-                     "swap_bytes_per_step": alt.swap_bytes_per_step, "quality": _quality(mode)})
+                     "swap_bytes_per_step": alt.swap_bytes_per_step, "quality": mode.quality})
     return rows
 
 
 def choose_base_compute(spec: ArchSpec, devices: list[Device], w: Workload, grad_accum: int = 1,
                         schedule: str = "auto", split: list[int] | None = None) -> Plan:
-    """base_compute = auto: bf16 wherever it fits without block swap (the exact base); otherwise the
-    8-bit base the devices have tensor cores for (fp8 from Ada/Hopper on, int8 on Ampere), which holds
-    and streams half the bytes, unless the forecast says it would be slower. The plan says which and why."""
+    """base_compute = auto: the exact base (bf16) wherever it fits without block swap; otherwise the first
+    tensor-core mode every device runs (fp8 from Ada/Hopper on, int8 on Ampere), which holds and streams
+    half the bytes, unless the forecast says it would be slower. The plan says which and why."""
+    exact = EXACT.name
     try:
-        plan16, error = plan_training(spec, devices, dataclasses.replace(w, base_compute="bf16"), grad_accum,
+        plan16, error = plan_training(spec, devices, dataclasses.replace(w, base_compute=exact), grad_accum,
                                       schedule, split), None
     except PlanError as err:
         plan16, error = None, err
     if plan16 is not None and not plan16.offloaded_blocks:
-        plan16.base_compute_note = "base compute auto: bf16 (the model fits without block swap)"
+        plan16.base_compute_note = f"base compute auto: {exact} (the model fits without block swap)"
         return plan16
-    mode = devices_eight_bit_mode(devices)
+    chosen = devices_mode(devices)
+    mode = chosen.name if chosen else None
     plan8 = None
     if mode is not None:
         try:
-            plan8 = _plan_for_schedule(spec, devices, eight_bit_workload(w, mode), grad_accum, schedule, split)
+            plan8 = _plan_for_schedule(spec, devices, workload_in_mode(w, mode), grad_accum, schedule, split)
         except PlanError:
             pass
     if plan8 is None:
         if error is not None:
             raise error
-        why = (f"{mode} does not fit either" if mode else "these devices have no 8-bit tensor cores: fp8 needs "
-               "Ada/Hopper or newer, int8 Ampere or newer")
-        plan16.base_compute_note = f"base compute auto: bf16 ({why})"
+        why = (f"{mode} does not fit either" if mode else "these devices have no tensor cores for it: "
+               + ", ".join(f"{m.name} needs {m.needs}" for m in tensor_core_modes()))
+        plan16.base_compute_note = f"base compute auto: {exact} ({why})"
         return plan16
     if plan16 is None:
-        plan8.base_compute_note = (f"base compute auto: {mode} (bf16 does not fit even with block swap; {mode} "
-                                   f"holds the base at 1 byte a weight; {_quality(mode)})")
+        plan8.base_compute_note = (f"base compute auto: {mode} ({exact} does not fit even with block swap; {mode} "
+                                   f"holds the base at 1 byte a weight; {chosen.quality})")
         return plan8
     swaps8 = f"swaps {len(plan8.offloaded_blocks)} blocks" if plan8.offloaded_blocks else "fits without swap"
-    compared = (f"bf16 would swap {len(plan16.offloaded_blocks)} blocks at {plan16.predicted_step_s:.2f} s/step, "
+    compared = (f"{exact} would swap {len(plan16.offloaded_blocks)} blocks at {plan16.predicted_step_s:.2f} s/step, "
                 f"{mode} {swaps8} at {plan8.predicted_step_s:.2f} s/step")
     if plan8.predicted_step_s > plan16.predicted_step_s:
-        plan16.base_compute_note = f"base compute auto: bf16 ({compared}: bf16 is faster)"
+        plan16.base_compute_note = f"base compute auto: {exact} ({compared}: {exact} is faster)"
         return plan16
-    plan8.base_compute_note = f"base compute auto: {mode} ({compared}; {_quality(mode)})"
+    plan8.base_compute_note = f"base compute auto: {mode} ({compared}; {chosen.quality})"
     plan8.alternatives = [a for a in plan16.alternatives if a["base_compute"] != mode]
     return plan8
 
 
 def alternatives_text(plan: Plan) -> list[str]:
-    """Lines for the plan's text: why auto chose, and the 8-bit plans beside a bf16 plan with swap."""
+    """Lines for the plan's text: why auto chose, and the quantised plans beside a bf16 plan with swap."""
     lines = [plan.base_compute_note] if plan.base_compute_note else []
     for a in plan.alternatives:
         swap = f"{a['swapped_blocks']} blocks swapped" if a["swapped_blocks"] else "no swap"
@@ -539,8 +539,8 @@ def host_shortfall(plan: Plan, devices: list[Device]) -> str:
     _, available = host_memory()
     if not available or plan.forecast_host_gib * GIB <= available:
         return ""
-    fix = (f"base compute fp8 or int8 ({setting('base_compute', 'auto')}) holds half of the swapped blocks' "
-           "pinned copies" if plan.base_compute == "bf16" and plan.offloaded_blocks else
+    fix = (f"base compute {_mode_list()} ({setting('base_compute', AUTO)}) holds half of the swapped blocks' "
+           "pinned copies" if not mode_named(plan.base_compute).quantises and plan.offloaded_blocks else
            "close other programs, or train at a lower resolution")
     return (f" Host memory: the run needs {plan.forecast_host_gib:.1f} GiB at its peak and {available / GIB:.1f} GiB "
             f"is available now; {fix}.")
