@@ -289,14 +289,14 @@ def test_no_code_outside_arch_asks_which_family_a_model_is(tmp_path):
         'match name:',
         '    case "wan": pass',                                           # 6
         'fine = method in ("flux2", "flux2_shift") or schedule == "flux2"',   # the settings named after FLUX.2
-        'fine = spec.family + "/" + spec.id, CALIBRATION["host"][spec.family], spec.takes_clips',
+        'fine = spec.family + "/" + spec.id, family_named(spec.family).calibration, spec.takes_clips',
     ]) + "\n")
     assert family_branches(sample, families) == ["sample.py:1 compares a family", "sample.py:2 compares a family",
                                                  "sample.py:3 compares a family", "sample.py:4 a dict keyed by family",
                                                  "sample.py:6 a case for a family"]
     arch = PACKAGE / "arch"
     outside = [p for p in sorted(PACKAGE.rglob("*.py")) + sorted((REPO / "nodes").rglob("*.py"))
-               if not p.is_relative_to(arch)]
+               + [REPO / "comfy_bridge.py"] if not p.is_relative_to(arch)]
     assert [f for p in outside for f in family_branches(p, families)] == []
 
 
@@ -325,7 +325,8 @@ def test_no_code_outside_the_modes_folder_asks_which_compute_mode_a_setting_is(t
         'fine = w.held_dtype != "fp8" or weight_dtype == "bf16" or setting == "auto"',
         'fine = {"bf16": 2, "fp8": 1}, mode_named(w.base_compute).quantises',
     ]) + "\n")
-    assert mode_branches(sample, modes) == ["sample.py:1 compares a compute mode", "sample.py:2 compares a compute mode",
+    assert mode_branches(sample, modes) == ["sample.py:1 compares a compute mode",
+                                            "sample.py:2 compares a compute mode",
                                             "sample.py:3 a dict keyed by compute mode",
                                             "sample.py:5 a case for a compute mode"]
     folder = PACKAGE / "compute" / "modes"
@@ -357,7 +358,8 @@ def test_each_family_is_one_folder_the_registry_finds_with_every_member_the_code
     assert [f.name for f in FAMILIES] == folders == sorted(folders) and "flux2" in folders and "wan" in folders
     assert len(model_ids()) == len(set(model_ids()))                        # no id claimed by two families
     asked = {name for name, member in vars(ArchSpec).items() if getattr(member, "__isabstractmethod__", False)}
-    assert {"takes_clips", "model_context", "sampler_model_fn", "stage_class", "attention_flops"} <= asked
+    assert {"takes_clips", "frames_per_latent", "model_context", "sampler_model_fn", "stage_class",
+            "attention_flops"} <= asked
     for fam in FAMILIES:
         own = f"ugpum.arch.{fam.name}."
         cls = fam.spec_class
@@ -369,6 +371,8 @@ def test_each_family_is_one_folder_the_registry_finds_with_every_member_the_code
         assert cls.default_timesteps in TIMESTEP_METHODS and isinstance(cls.takes_clips, bool)
         assert fam.ids and all(type(get_spec(i)) is cls and get_spec(i).family == fam.name for i in fam.ids)
         assert fam.recognise({}, "") is None
+        assert fam.comfy.module.startswith("comfy.") and fam.comfy.kwargs.__module__.startswith(own)
+        assert {"memory", "allocator", "efficiency", "host_gib"} <= set(fam.calibration)
 
 
 # A command-line flag, as a message would spell it: `--resume`, `--base-compute` (not `x--y`, `---`, `--1`).

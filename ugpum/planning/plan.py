@@ -79,6 +79,24 @@ class Plan:
         return dict(dataclasses.asdict(self), kept_activations=self.kept_activations)
 
 
+@dataclass(frozen=True)
+class Layout:
+    """The blocks of one workload over the devices with their forecast (`_solve`): what a Plan is built
+    from, once, with the choices made around it (schedule, base compute)."""
+    stages: list[Stage]
+    offloaded_blocks: list[int]
+    boundary_mib: float
+    forecast_host_gib: float
+    crossing_bytes_per_step: int
+    swap_bytes_per_step: int
+    step_s: dict[str, list[float]]
+    predicted_step_s: float
+    recompute_saved_s: float
+
+    def fields(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
 def usable_bytes(device: Device) -> float:
     """What training can have of `device`: a detected GPU's free memory (read with its CUDA context made,
     and with whatever the desktop holds at that moment); a card described by hand, its total less the
@@ -307,7 +325,7 @@ def manual_cuts(ev: StageCosts, split: list[int]) -> list[int]:
 
 
 def _solve(spec: ArchSpec, devices: list[Device], w: Workload, grad_accum: int, in_flight: int,
-           split: list[int] | None = None):
+           split: list[int] | None = None) -> Layout | None:
     ev = StageCosts(spec, devices, w, in_flight)
     cuts = manual_cuts(ev, split) if split else best_split(ev)
     if cuts is None:
@@ -329,42 +347,65 @@ def _solve(spec: ArchSpec, devices: list[Device], w: Workload, grad_accum: int, 
     predicted = min(step_s["sequential"][m - 1], step_s["pipelined"][m - 1])
     recomputing, _, _ = _step_times(ev, all_recomputed)
     pinned = sum(ev.weight[i] for i in offloaded)
-    return dict(stages=stages, offloaded_blocks=offloaded, boundary_mib=round(ev.hidden / MIB, 2),
-                forecast_host_gib=round(cost.host_bytes(spec, pinned) / GIB, 2),
-                crossing_bytes_per_step=per_mb_crossing * grad_accum + shared,
-                swap_bytes_per_step=2 * sum(ev.weight[i] for i in offloaded) * grad_accum,
-                step_s=step_s, predicted_step_s=predicted, recompute=w.recompute,
-                recompute_saved_s=min(recomputing["sequential"][m - 1], recomputing["pipelined"][m - 1]) - predicted)
+    return Layout(stages=stages, offloaded_blocks=offloaded, boundary_mib=round(ev.hidden / MIB, 2),
+                  forecast_host_gib=round(cost.host_bytes(spec, pinned) / GIB, 2),
+                  crossing_bytes_per_step=per_mb_crossing * grad_accum + shared,
+                  swap_bytes_per_step=2 * sum(ev.weight[i] for i in offloaded) * grad_accum,
+                  step_s=step_s, predicted_step_s=predicted,
+                  recompute_saved_s=min(recomputing["sequential"][m - 1], recomputing["pipelined"][m - 1]) - predicted)
 
 
 def make_plan(spec: ArchSpec, devices: list[Device], w: Workload, grad_accum: int = 1,
               in_flight: int = 1, split: list[int] | None = None) -> Plan:
-    """The best plan (or the given `split`: blocks per device) with its forecast."""
-    if not devices:
-        raise PlanError(f"no device to plan for: give at least one {setting('gpu')} (e.g. 16GiB, rtx4090, auto)")
+    """The best plan (or the given `split`: blocks per device) with its forecast, each stage holding the
+    activations of `in_flight` micro-batches; no schedule chosen (`plan_training` chooses one)."""
     if w.base_compute == AUTO:                    # (callers that plan below plan_training)
         w = workload_in_mode(w, choose_base_compute(spec, devices, w, grad_accum, split=split).base_compute)
-    solved = _solve(spec, devices, w, grad_accum, in_flight, split)
-    if solved is None:
+    return _plan(spec, devices, w, grad_accum, _arranged(spec, devices, w, grad_accum, in_flight, split),
+                 "sequential", in_flight)
+
+
+def _arranged(spec, devices, w, grad_accum, in_flight, split) -> Layout:
+    """The best layout (or the given split's), or PlanError saying what would fit."""
+    if not devices:
+        raise PlanError(f"no device to plan for: give at least one {setting('gpu')} (e.g. 16GiB, rtx4090, auto)")
+    layout = _solve(spec, devices, w, grad_accum, in_flight, split)
+    if layout is None:
         raise PlanError(_explain_failure(spec, devices, w, grad_accum, in_flight))
+    return layout
+
+
+def _scheduled(spec, devices, w, grad_accum, schedule, split) -> tuple[Layout, str, int]:
+    """(layout, schedule, micro-batches in flight): `schedule` "auto" takes the fastest order for the
+    split, and the layout counts the activations of every micro-batch that order keeps in flight."""
+    layout = _arranged(spec, devices, w, grad_accum, 1, split)
+    chosen = best_schedule(layout, grad_accum) if schedule == "auto" else schedule
+    held = held_in_flight(chosen, len(devices), grad_accum)
+    if held > 1:
+        layout = _arranged(spec, devices, w, grad_accum, held, split)
+    return layout, chosen, held
+
+
+def _plan(spec, devices, w, grad_accum, layout: Layout, schedule: str, in_flight: int, note: str = "",
+          alternatives: list[dict] | None = None) -> Plan:
+    """The Plan of a layout, with the choices made for it, its one-GPU swap comparison and its verdict."""
     swap = None
     if len(devices) > 1:
         one = _solve(spec, devices[:1], w, grad_accum, in_flight)
         if one is not None:
-            swap = {"device": devices[0].label, "offloaded_blocks": one["offloaded_blocks"],
-                    "forecast_gib": one["stages"][0].forecast_gib,
-                    "predicted_step_s": one["predicted_step_s"],
-                    "swap_bytes_per_step": one["swap_bytes_per_step"]}
+            swap = {"device": devices[0].label, "offloaded_blocks": one.offloaded_blocks,
+                    "forecast_gib": one.stages[0].forecast_gib, "predicted_step_s": one.predicted_step_s,
+                    "swap_bytes_per_step": one.swap_bytes_per_step}
     # (the workload's "checkpointing" and "weight_dtype": the older names of recompute and held_dtype, for
     # readers of plan.json from before them)
-    workload = dict(dataclasses.asdict(w), checkpointing=w.recompute != "none", weight_dtype=w.held_dtype)
-    plan = Plan(model=spec.id, workload=workload, grad_accum=grad_accum,
-                block_paths=[b.path for b in spec.blocks], swap_forecast=swap, verdict="",
-                base_compute=w.base_compute, **solved,
-                assumed=[f"{d.label}: {memory_assumed(d)}; {speed_assumed(d)}" for d in devices
-                         if d.torch_device != "cpu"])
-    plan.verdict = verdict(plan, devices) + host_shortfall(plan, devices)
-    return plan
+    workload = dict(dataclasses.asdict(w), checkpointing=w.recompute != "none", weight_dtype=w.held_dtype,
+                    latent_frames=spec.latent_frames(w.frames))
+    said = verdict(layout, swap, devices) + host_shortfall(layout, w.base_compute, devices)
+    return Plan(model=spec.id, workload=workload, grad_accum=grad_accum, **layout.fields(), swap_forecast=swap,
+                verdict=said, block_paths=[b.path for b in spec.blocks], schedule=schedule, in_flight=in_flight,
+                base_compute=w.base_compute, base_compute_note=note, alternatives=alternatives or [],
+                recompute=w.recompute, assumed=[f"{d.label}: {memory_assumed(d)}; {speed_assumed(d)}"
+                                                for d in devices if d.torch_device != "cpu"])
 
 
 def plan_training(spec: ArchSpec, devices: list[Device], w: Workload, grad_accum: int = 1,
@@ -377,20 +418,16 @@ def plan_training(spec: ArchSpec, devices: list[Device], w: Workload, grad_accum
     if w.base_compute == AUTO:
         return choose_base_compute(spec, devices, w, grad_accum, schedule, split)
     _check_tensor_cores(w.base_compute, devices)
-    plan = _plan_for_schedule(spec, devices, w, grad_accum, schedule, split)
-    if not mode_named(w.base_compute).quantises and plan.offloaded_blocks:
-        plan.alternatives = _quantised_alternatives(spec, devices, w, grad_accum, schedule, split)
-    return plan
+    layout, chosen, held = _scheduled(spec, devices, w, grad_accum, schedule, split)
+    return _plan(spec, devices, w, grad_accum, layout, chosen, held,
+                 alternatives=_alternatives_to(w, layout, spec, devices, grad_accum, schedule, split))
 
 
-def _plan_for_schedule(spec, devices, w, grad_accum, schedule, split) -> Plan:
-    plan = make_plan(spec, devices, w, grad_accum=grad_accum, split=split)
-    chosen = best_schedule(plan, grad_accum) if schedule == "auto" else schedule
-    held = held_in_flight(chosen, len(devices), grad_accum)
-    if held > 1:
-        plan = make_plan(spec, devices, w, grad_accum=grad_accum, in_flight=held, split=split)
-    plan.schedule, plan.in_flight = chosen, held
-    return plan
+def _alternatives_to(w, layout, spec, devices, grad_accum, schedule, split) -> list[dict]:
+    """The quantised plans beside an exact base that swaps blocks (none otherwise)."""
+    if mode_named(w.base_compute).quantises or not layout.offloaded_blocks:
+        return []
+    return _quantised_alternatives(spec, devices, w, grad_accum, schedule, split)
 
 
 def _check_tensor_cores(mode: str, devices: list[Device]) -> None:
@@ -441,7 +478,7 @@ def _quantised_alternatives(spec, devices, w, grad_accum, schedule, split) -> li
         if not all(mode.runs_on(c) for c in runs):
             continue
         try:
-            alt = _plan_for_schedule(spec, devices, workload_in_mode(w, mode.name), grad_accum, schedule, split)
+            alt, _, _ = _scheduled(spec, devices, workload_in_mode(w, mode.name), grad_accum, schedule, split)
         except PlanError:
             continue
         rows.append({"base_compute": mode.name, "forecast_gib": max(s.forecast_gib for s in alt.stages),
@@ -456,42 +493,46 @@ def choose_base_compute(spec: ArchSpec, devices: list[Device], w: Workload, grad
     tensor-core mode every device runs (fp8 from Ada/Hopper on, int8 on Ampere), which holds and streams
     half the bytes, unless the forecast says it would be slower. The plan says which and why."""
     exact = EXACT.name
+    w16 = dataclasses.replace(w, base_compute=exact)
     try:
-        plan16, error = plan_training(spec, devices, dataclasses.replace(w, base_compute=exact), grad_accum,
-                                      schedule, split), None
+        exact_layout, error = _scheduled(spec, devices, w16, grad_accum, schedule, split), None
     except PlanError as err:
-        plan16, error = None, err
-    if plan16 is not None and not plan16.offloaded_blocks:
-        plan16.base_compute_note = f"base compute auto: {exact} (the model fits without block swap)"
-        return plan16
-    chosen = devices_mode(devices)
-    mode = chosen.name if chosen else None
-    plan8 = None
+        exact_layout, error = None, err
+
+    def exact_plan(why: str) -> Plan:
+        layout, chosen, held = exact_layout
+        return _plan(spec, devices, w16, grad_accum, layout, chosen, held, f"base compute auto: {exact} ({why})",
+                     _alternatives_to(w16, layout, spec, devices, grad_accum, schedule, split))
+    if exact_layout is not None and not exact_layout[0].offloaded_blocks:
+        return exact_plan("the model fits without block swap")
+    chosen_mode = devices_mode(devices)
+    mode = chosen_mode.name if chosen_mode else None
+    quantised = None
     if mode is not None:
         try:
-            plan8 = _plan_for_schedule(spec, devices, workload_in_mode(w, mode), grad_accum, schedule, split)
+            quantised = _scheduled(spec, devices, workload_in_mode(w, mode), grad_accum, schedule, split)
         except PlanError:
             pass
-    if plan8 is None:
+    if quantised is None:
         if error is not None:
             raise error
-        why = (f"{mode} does not fit either" if mode else "these devices have no tensor cores for it: "
-               + ", ".join(f"{m.name} needs {m.needs}" for m in tensor_core_modes()))
-        plan16.base_compute_note = f"base compute auto: {exact} ({why})"
-        return plan16
-    if plan16 is None:
-        plan8.base_compute_note = (f"base compute auto: {mode} ({exact} does not fit even with block swap; {mode} "
-                                   f"holds the base at 1 byte a weight; {chosen.quality})")
-        return plan8
-    swaps8 = f"swaps {len(plan8.offloaded_blocks)} blocks" if plan8.offloaded_blocks else "fits without swap"
-    compared = (f"{exact} would swap {len(plan16.offloaded_blocks)} blocks at {plan16.predicted_step_s:.2f} s/step, "
-                f"{mode} {swaps8} at {plan8.predicted_step_s:.2f} s/step")
-    if plan8.predicted_step_s > plan16.predicted_step_s:
-        plan16.base_compute_note = f"base compute auto: {exact} ({compared}: {exact} is faster)"
-        return plan16
-    plan8.base_compute_note = f"base compute auto: {mode} ({compared}; {chosen.quality})"
-    plan8.alternatives = [a for a in plan16.alternatives if a["base_compute"] != mode]
-    return plan8
+        return exact_plan(f"{mode} does not fit either" if mode else "these devices have no tensor cores for it: "
+                          + ", ".join(f"{m.name} needs {m.needs}" for m in tensor_core_modes()))
+    layout8, chosen8, held8 = quantised
+    if exact_layout is None:
+        return _plan(spec, devices, workload_in_mode(w, mode), grad_accum, layout8, chosen8, held8,
+                     f"base compute auto: {mode} ({exact} does not fit even with block swap; {mode} holds the base "
+                     f"at 1 byte a weight; {chosen_mode.quality})")
+    layout16 = exact_layout[0]
+    swaps8 = f"swaps {len(layout8.offloaded_blocks)} blocks" if layout8.offloaded_blocks else "fits without swap"
+    compared = (f"{exact} would swap {len(layout16.offloaded_blocks)} blocks at {layout16.predicted_step_s:.2f} "
+                f"s/step, {mode} {swaps8} at {layout8.predicted_step_s:.2f} s/step")
+    if layout8.predicted_step_s > layout16.predicted_step_s:
+        return exact_plan(f"{compared}: {exact} is faster")
+    others = [a for a in _alternatives_to(w16, layout16, spec, devices, grad_accum, schedule, split)
+              if a["base_compute"] != mode]
+    return _plan(spec, devices, workload_in_mode(w, mode), grad_accum, layout8, chosen8, held8,
+                 f"base compute auto: {mode} ({compared}; {chosen_mode.quality})", others)
 
 
 def alternatives_text(plan: Plan) -> list[str]:
@@ -504,25 +545,25 @@ def alternatives_text(plan: Plan) -> list[str]:
     return lines
 
 
-def verdict(plan: Plan, devices: list[Device]) -> str:
-    busy = [s for s in plan.stages if s.blocks[1] > s.blocks[0]]
+def verdict(layout: Layout, swap: dict | None, devices: list[Device]) -> str:
+    """The plan in one or two sentences: where it runs, how fast, and against one GPU with swap (`swap`)."""
+    busy = [s for s in layout.stages if s.blocks[1] > s.blocks[0]]
     link = "/".join(sorted({d.link for d in devices}))
-    here = f"{plan.predicted_step_s:.2f} s/step"
+    here = f"{layout.predicted_step_s:.2f} s/step"
     if all(d.torch_device == "cpu" for d in devices):      # the cost model knows GPUs only
         return f"A CPU run ({', '.join(d.label for d in devices)}): fits, no step-time forecast."
     if len(devices) == 1:
-        if plan.offloaded_blocks:
-            return (f"One GPU with block swap: {here}, streaming {plan.swap_bytes_per_step / GIB:.1f} GiB "
+        if layout.offloaded_blocks:
+            return (f"One GPU with block swap: {here}, streaming {layout.swap_bytes_per_step / GIB:.1f} GiB "
                     f"per step over {devices[0].link}; a second GPU would keep those blocks resident.")
         return f"Fits on {devices[0].label} without swap: {here}."
-    split = (f"Split over {len(busy)} devices: {here}, {plan.crossing_bytes_per_step / MIB:.0f} MiB per step "
+    split = (f"Split over {len(busy)} devices: {here}, {layout.crossing_bytes_per_step / MIB:.0f} MiB per step "
              f"between GPUs ({link})")
-    if plan.offloaded_blocks:
-        split += f" plus {plan.swap_bytes_per_step / GIB:.1f} GiB of block swap"
-    swap = plan.swap_forecast
+    if layout.offloaded_blocks:
+        split += f" plus {layout.swap_bytes_per_step / GIB:.1f} GiB of block swap"
     if swap is None:
         return split + "; one GPU cannot train this even with block swap."
-    ratio = swap["predicted_step_s"] / plan.predicted_step_s
+    ratio = swap["predicted_step_s"] / layout.predicted_step_s
     if abs(ratio - 1) < 0.05:
         compare = "about the same speed (the swap hides behind compute; gradient accumulation lets the split pipeline)"
     else:
@@ -531,18 +572,18 @@ def verdict(plan: Plan, devices: list[Device]) -> str:
             f"{swap['swap_bytes_per_step'] / GIB:.1f} GiB per step. Split: {compare}.")
 
 
-def host_shortfall(plan: Plan, devices: list[Device]) -> str:
+def host_shortfall(layout: Layout, base_compute: str, devices: list[Device]) -> str:
     """For this machine's own GPUs: a sentence when the run's host memory peak exceeds the RAM available
     now, with what to change ('' when it fits, or for cards described by hand: their host is not this one)."""
     if not any((d.torch_device or "").startswith("cuda") for d in devices):
         return ""
     _, available = host_memory()
-    if not available or plan.forecast_host_gib * GIB <= available:
+    if not available or layout.forecast_host_gib * GIB <= available:
         return ""
     fix = (f"base compute {_mode_list()} ({setting('base_compute', AUTO)}) holds half of the swapped blocks' "
-           "pinned copies" if not mode_named(plan.base_compute).quantises and plan.offloaded_blocks else
+           "pinned copies" if not mode_named(base_compute).quantises and layout.offloaded_blocks else
            "close other programs, or train at a lower resolution")
-    return (f" Host memory: the run needs {plan.forecast_host_gib:.1f} GiB at its peak and {available / GIB:.1f} GiB "
+    return (f" Host memory: the run needs {layout.forecast_host_gib:.1f} GiB at its peak and {available / GIB:.1f} GiB "
             f"is available now; {fix}.")
 
 

@@ -8,7 +8,7 @@ from typing import Callable
 
 import torch
 
-from ..arch import get_spec
+from ..arch import ArchSpec, get_spec
 from ..compute.base_compute import QuantiseAsLoaded, check_devices, use_base_compute
 from ..compute.modes import mode_named
 from ..compute.recompute import recompute_blocks
@@ -26,14 +26,14 @@ from ..wording import setting
 from ..compute.lora import attach_lora, lora_targets
 
 
-def plan_for(cfg: TrainConfig) -> Plan:
+def plan_for(cfg: TrainConfig, spec: ArchSpec | None = None) -> Plan:
     """The plan a single-process run with these settings uses (what the Partition Planner node and
-    `plan` show)."""
+    `plan` show); `spec`: the model's (None: `cfg.model`'s)."""
     if cfg.schedule in DISTRIBUTED_ONLY:
         raise TrainingError(f"schedule {cfg.schedule} runs two pipeline stages on each rank of a distributed run "
                             f"({setting('distributed')} under torchrun, README \"Past one machine\"); one process "
                             "runs auto, sequential, gpipe or 1f1b")
-    spec = get_spec(cfg.model)
+    spec = spec or get_spec(cfg.model)
     return plan_training(spec, resolve_devices(cfg.devices, spec, training=True, desktop_gib=cfg.desktop_gib),
                          cfg.workload(),
                          grad_accum=cfg.grad_accum, schedule=cfg.schedule)
