@@ -8,6 +8,8 @@ import re
 import sys
 from pathlib import Path
 
+from support.name_branches import family_branches, mode_branches, name_branches
+
 REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "ugpum"
 
@@ -227,55 +229,8 @@ def test_only_the_run_layout_names_a_run_folders_files():
     assert offenders == []
 
 
-# A model family's behaviour lives in its folder, ugpum/arch/<family>/: elsewhere the code asks the spec
-# (ArchSpec's members), never which family a model is. The timestep method "flux2" and the sampler schedule
-# "flux2" are settings users type, named after FLUX.2 but not a family: compared as `method` or `schedule`.
-SETTINGS_NAMED_LIKE_A_FAMILY = {"method", "schedule"}
-
-
-def _named(node: ast.AST) -> str | None:
-    """The name of a variable or attribute (`family` of `spec.family`), else None."""
-    if isinstance(node, ast.Name):
-        return node.id
-    return node.attr if isinstance(node, ast.Attribute) else None
-
-
-def _strings(node: ast.AST) -> set[str]:
-    """The string literals of a string, or of a tuple, list or set of literals."""
-    items = node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else [node]
-    return {i.value for i in items if isinstance(i, ast.Constant) and isinstance(i.value, str)}
-
-
-def branches_on(path: Path, names: set[str], label: str, called: str | None = None,
-                settings_like: set[str] = frozenset(), keys: set[str] | None = None) -> list[str]:
-    """Where `path` asks which of `names` (families, compute modes) a value is: a comparison (==, !=, in,
-    not in) of one of them with a value not named in `settings_like` (other settings spelled like one of
-    `names`), or of anything `called` so with any string; a dict literal keyed by one of `keys` (default
-    `names`); a match case for one of `names`."""
-    keys = names if keys is None else keys
-    found = []
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-        if isinstance(node, ast.Compare):
-            sides = [node.left, *node.comparators]
-            for op, a, b in zip(node.ops, sides, sides[1:]):
-                if not isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn)):
-                    continue
-                for x, y in ((a, b), (b, a)):
-                    if (called and _named(x) == called and _strings(y)) or \
-                            (_strings(x) & names and _named(y) not in settings_like):
-                        found.append(f"{path.name}:{node.lineno} compares a {label}")
-                        break
-        elif isinstance(node, ast.Dict) and keys & {k.value for k in node.keys if isinstance(k, ast.Constant)}:
-            found.append(f"{path.name}:{node.lineno} a dict keyed by {label}")
-        elif isinstance(node, ast.MatchValue) and isinstance(node.value, ast.Constant) and node.value.value in names:
-            found.append(f"{path.name}:{node.lineno} a case for a {label}")
-    return sorted(set(found), key=lambda f: int(f.split(":")[1].split()[0]))
-
-
-def family_branches(path: Path, families: set[str]) -> list[str]:
-    return branches_on(path, families, "family", "family", SETTINGS_NAMED_LIKE_A_FAMILY)
-
-
+# A model family's behaviour lives in its folder, a compute mode's in its file: elsewhere the code asks the spec
+# or the mode, never which one it is (the checks: tests/support/name_branches.py).
 def test_no_code_outside_arch_asks_which_family_a_model_is(tmp_path):
     from ugpum.arch import FAMILIES
     families = {f.name for f in FAMILIES}
@@ -294,21 +249,7 @@ def test_no_code_outside_arch_asks_which_family_a_model_is(tmp_path):
     assert family_branches(sample, families) == ["sample.py:1 compares a family", "sample.py:2 compares a family",
                                                  "sample.py:3 compares a family", "sample.py:4 a dict keyed by family",
                                                  "sample.py:6 a case for a family"]
-    arch = PACKAGE / "arch"
-    outside = [p for p in sorted(PACKAGE.rglob("*.py")) + sorted((REPO / "nodes").rglob("*.py"))
-               + [REPO / "comfy_bridge.py"] if not p.is_relative_to(arch)]
-    assert [f for p in outside for f in family_branches(p, families)] == []
-
-
-# A compute mode's behaviour lives in its file, ugpum/compute/modes/<mode>.py: elsewhere the code asks the mode
-# (ComputeMode's members), never which mode a setting names. bf16 and fp8 are weight dtypes too: compared as
-# one of these settings, or keyed in a table of weight dtypes, they mean the dtype.
-WEIGHT_DTYPE_SETTINGS = {"held_dtype", "weight_dtype", "stored_dtype", "default_dtype", "dtype", "stored"}
-
-
-def mode_branches(path: Path, modes: set[str]) -> list[str]:
-    from ugpum.arch.base import WEIGHT_BYTES
-    return branches_on(path, modes, "compute mode", settings_like=WEIGHT_DTYPE_SETTINGS, keys=modes - set(WEIGHT_BYTES))
+    assert name_branches(REPO, families, set()) == []
 
 
 def test_no_code_outside_the_modes_folder_asks_which_compute_mode_a_setting_is(tmp_path):
@@ -329,10 +270,7 @@ def test_no_code_outside_the_modes_folder_asks_which_compute_mode_a_setting_is(t
                                             "sample.py:2 compares a compute mode",
                                             "sample.py:3 a dict keyed by compute mode",
                                             "sample.py:5 a case for a compute mode"]
-    folder = PACKAGE / "compute" / "modes"
-    outside = [p for p in sorted(PACKAGE.rglob("*.py")) + sorted((REPO / "nodes").rglob("*.py"))
-               + [REPO / "comfy_bridge.py"] if not p.is_relative_to(folder)]
-    assert [f for p in outside for f in mode_branches(p, modes)] == []
+    assert name_branches(REPO, set(), modes) == []
 
 
 def test_each_compute_mode_is_one_file_the_registry_finds():
