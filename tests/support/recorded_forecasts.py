@@ -1,8 +1,9 @@
 """The GPU runs the planner is held to (issue 29): every row of bench/results/calibration_fit.jsonl (what the
-coefficients in ugpum/planning/calibration.json were fitted to) and of bench/results/calibration.json (runs of the
-planner's own picks and their neighbours, made after the fit), each against the forecast the code gives now
-for the blocks that row kept and swapped, on the device rate and host link the row's run measured.
-Shared by tests/unit/test_calibration.py and `python bench/calibration_fit.py`, which prints the table.
+planner's coefficients were fitted to: ugpum/planning/calibration.json, the families' and the modes' own) and
+of bench/results/calibration.json (runs of the planner's own picks and their neighbours, made after the fit),
+each against the forecast the code gives now for the blocks that row kept and swapped, on the device rate and
+host link the row's run measured. Shared by tests/unit/test_calibration.py and `python bench/calibration_fit.py`,
+which prints the table.
 """
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ class Fp8(ComputeMode):
     name = "fp8"
     order = 1
     held_dtype = "fp8"                                   # 1 byte a weight
-    # compiled: fitted to the H100 runs (ugpum/planning/calibration.json's rows); eager: the H200's steps in
+    # compiled: fitted to the H100 runs ugpum/planning/calibration.json names; eager: the H200's steps in
     # bench/results/speed.md (0.71 s against bf16's 0.61 s)
     dense_speed = {"compiled": 1.215, "eager": 0.83}
     # the LoRA gradient of klein 9B's first, middle and last block against the bf16 base (bench/results/speed.md)

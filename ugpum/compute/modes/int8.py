@@ -11,7 +11,7 @@ class Int8(ComputeMode):
     name = "int8"
     order = 2
     held_dtype = "fp8"                                   # 1 byte a weight, counted as fp8 weights are
-    # compiled: fitted to the H100 runs (ugpum/planning/calibration.json's rows); eager: the H200's steps in
+    # compiled: fitted to the H100 runs ugpum/planning/calibration.json names; eager: the H200's steps in
     # bench/results/speed.md (1.00 s against bf16's 0.61 s)
     dense_speed = {"compiled": 0.88, "eager": 0.56}
     quality = "LoRA gradients vs the bf16 base: cosine 0.9997 per block (klein 9B, H200)"
