@@ -153,7 +153,8 @@ def test_an_uncaptioned_sub_folder_of_images_is_not_a_clip(tmp_path):
 
 def test_clips_with_frames_1_ask_for_frames(tmp_path):
     write_clip(tmp_path / "a.mp4", 9)
-    with pytest.raises(DatasetError, match="holds clips .* but frames is 1; set frames to a count the model takes \\(e.g. 17 or 33\\)"):
+    with pytest.raises(DatasetError, match="holds clips .* but frames is 1; set frames to a count the model "
+                                           "takes \\(e.g. 17 or 33\\)"):
         load_folder(tmp_path, WAN, frames=1, resolution=64)
 
 
@@ -339,7 +340,8 @@ def test_musubi_video_dataset_needs_a_wan_model_and_clip_frames(tmp_path):
     config = video_toml(tmp_path, "")
     with pytest.raises(DatasetError, match="video_directory trains Wan 2.1 models only; this run's model is flux2"):
         load_musubi_toml(config, spec=FLUX2, frames=1)
-    with pytest.raises(DatasetError, match="this run's frames is 1; set frames to a count the model takes \\(e.g. 17\\)"):
+    with pytest.raises(DatasetError, match="this run's frames is 1; set frames to a count the model takes "
+                                           "\\(e.g. 17\\)"):
         load_musubi_toml(config, spec=WAN, frames=1)
 
 

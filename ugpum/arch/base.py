@@ -43,10 +43,10 @@ class Workload:
     batch: int = 1
     text_tokens: int = 512
     held_dtype: str = "bf16"             # the base weights as training holds them on the GPUs: bf16 | fp8 | fp32
-    #                                      (fp8 under an 8-bit base_compute, whatever the weight_dtype setting)
+    #                                      (under a quantising base_compute, its mode's: fp8 for the 8-bit ones)
     rank: int = 16
     compiled: bool = False               # blocks compiled (ugpum.compute.compile): fused elementwise work
-    base_compute: str = "bf16"           # the frozen base's matmuls: bf16 | fp8 | int8 (ugpum.compute.base_compute)
+    base_compute: str = "bf16"           # the frozen base's matmuls: a mode of ugpum/compute/modes/ (bf16, fp8, int8)
     # Which blocks recompute their forward in backward (per-block checkpointing): all | none | auto (the
     # planner keeps the activations of the resident blocks the memory left over holds, ugpum.planning.plan).
     recompute: str = "all"
@@ -66,7 +66,7 @@ class ArchSpec(ABC):
     sampling, stand-in encoders, the distributed engine) calls them instead of asking which family a
     model is."""
     id: str
-    family: str                  # the family's name (its folder in ugpum/arch/): "flux2" or "wan"
+    family: str                  # the family's name (its folder in ugpum/arch/): "flux2", "wan", ...
     title: str                   # modelspec architecture prefix, e.g. "Flux.2-klein-9b"
     hidden: int
     heads: int

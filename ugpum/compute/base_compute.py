@@ -130,7 +130,8 @@ def _quantised_class(cls: type) -> type:
     its `forward` attribute): one code object for every layer, so a compiled block traces it once instead
     of guarding on each layer's own forward object (a recompile per block, measured on the H200)."""
     if cls not in _classes:
-        _classes[cls] = type(f"{cls.__name__}Quantised", (cls,), {"forward": _forward_quantised, "_ugpum_base_class": cls})
+        _classes[cls] = type(f"{cls.__name__}Quantised", (cls,),
+                             {"forward": _forward_quantised, "_ugpum_base_class": cls})
     return _classes[cls]
 
 

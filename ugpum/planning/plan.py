@@ -516,8 +516,8 @@ def choose_base_compute(spec: ArchSpec, devices: list[Device], w: Workload, grad
     if quantised is None:
         if error is not None:
             raise error
-        return exact_plan(f"{mode} does not fit either" if mode else "these devices have no tensor cores for it: "
-                          + ", ".join(f"{m.name} needs {m.needs}" for m in tensor_core_modes()))
+        return exact_plan(f"{mode} does not fit either" if mode else "these devices have no tensor cores for a "
+                          "quantised base: " + ", ".join(f"{m.name} needs {m.needs}" for m in tensor_core_modes()))
     layout8, chosen8, held8 = quantised
     if exact_layout is None:
         return _plan(spec, devices, workload_in_mode(w, mode), grad_accum, layout8, chosen8, held8,

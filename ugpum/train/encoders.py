@@ -47,10 +47,11 @@ class StandInEncoders:
     def encode_video(self, frames: torch.Tensor) -> torch.Tensor:
         """A causal video VAE's time compression in miniature (ArchSpec.latent_frames): latent frame 0 from
         frame 0 alone, each later latent frame from the mean of the next `frames_per_latent` frames (Wan: 4)."""
-        problem = self.spec.frames_error(frames.shape[0]) if self.spec.takes_clips else f"{self.spec.id} takes no clips"
+        spec = self.spec
+        problem = spec.frames_error(frames.shape[0]) if spec.takes_clips else f"{spec.id} takes no clips"
         if problem:
             raise ValueError(f"stand-in video encoding of {frames.shape[0]} frames: {problem}")
-        n = self.spec.frames_per_latent
+        n = spec.frames_per_latent
         groups = [frames[:1]] + [frames[i:i + n] for i in range(1, frames.shape[0], n)]
         latent = torch.cat([self.encode_images(g.float().mean(0, keepdim=True)) for g in groups], dim=2)
         return latent                                                   # [1, C, T', h, w]

@@ -80,11 +80,10 @@ def train(cfg: TrainConfig, out: str | Path, model: torch.nn.Module, encoders, k
     """Train `cfg`'s LoRA on `model` (ComfyUI's DiT module, on the meta device to be streamed from
     `cfg.model_file`, or with weights) with `encoders`, into `out`. `spec`: the model's (the front end's,
     passed along from here; None: `cfg.model`'s). `plan`: the one the Partition Planner showed; None plans
-    here, with the same function. `resume` continues the run in `out` (only
-    the same run); a new run never replaces an earlier one unless `overwrite`. `stepper`: the engine
-    (`engine.Stepper`; default: this process, `OneProcessStepper`). `inputs`: what the front end loaded
-    the run from (file paths, JSON-ready), recorded in each checkpoint so that a resume can load the
-    same. `hooks`: `Hooks`' fields. Every way the run ends keeps every completed step: a checkpoint, and
+    here, with the same function. `resume` continues the run in `out` (only the same run); a new run never
+    replaces an earlier one unless `overwrite`. `stepper`: the engine (`engine.Stepper`; default: this
+    process, `OneProcessStepper`). `inputs`: what the front end loaded the run from (file paths,
+    JSON-ready), recorded in each checkpoint so that a resume can load the same. `hooks`: `Hooks`' fields. Every way the run ends keeps every completed step: a checkpoint, and
     the LoRA so far. The run folder is locked for the run's life (another run into it is refused), and
     SIGTERM stops every phase as Ctrl-C does."""
     hooks["log"] = hooks.get("log") or print_plain

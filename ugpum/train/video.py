@@ -279,17 +279,12 @@ def load_folder(folder: Path | str, spec: ArchSpec, frames: int = 1, stride: int
     folder = Path(folder)
     if folder_has_clips(folder):
         if not spec.takes_clips:
-            clip = list_clips(folder)[0]
+            clip, takers = list_clips(folder)[0], " or ".join(f"{f.title} model" for f in FAMILIES if f.takes_clips)
             raise DatasetError(f"dataset folder {folder} holds video clips ({clip.name}, ...), but "
-                               f"{family_of(spec).title} models train on images only; {images_only_fix()}, or use a "
-                               "folder of images")
+                               f"{family_of(spec).title} models train on images only; train clips on a {takers}, "
+                               "or use a folder of images")
         return load_clip_folder(folder, spec, frames, stride, resolution=resolution, repeats=repeats, trigger=trigger)
     return load_image_folder(folder, resolution=resolution, repeats=repeats, trigger=trigger)
-
-
-def images_only_fix() -> str:
-    """What a user with clips and a model of images does: train them on a family that takes clips."""
-    return "train clips on a " + " or ".join(f"{f.title} model" for f in FAMILIES if f.takes_clips)
 
 
 def _clip_examples(spec: ArchSpec) -> str:
