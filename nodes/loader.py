@@ -54,14 +54,13 @@ class UGPUMLoader(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, dit_name: str, devices: str = "auto") -> bool | str:
-        """Before the graph runs: the file is in diffusion_models with a header UGPUM trains, and the
-        devices field reads (ComfyUI shows the sentence on this node and runs nothing)."""
+    def validate_inputs(cls, dit_name: str) -> bool | str:
+        """Before the graph runs: the file is in diffusion_models with a header UGPUM trains (ComfyUI shows
+        the sentence at this input and runs nothing; it names every input a check reads, so this one reads
+        the file alone)."""
         try:
-            path = model_path(dit_name)
             with user_errors(NODE, dit_name):
-                recognise(path)
-                parse_device_specs(list(device_specs(devices)), probe=False)
+                recognise(model_path(dit_name))
         except UGPUMError as error:
             return str(error)
         return True

@@ -242,7 +242,7 @@ class LoRATrainer(io.ComfyNode):
     @classmethod
     def validate_inputs(cls, dataset: str, save_name: str) -> bool | str:
         """Before the graph runs (nothing loaded, nothing planned): the dataset is one of the list and still
-        there, and the save name can be a file name (ComfyUI shows the sentence on this node)."""
+        there, and the save name can be a file name (ComfyUI shows the sentence at both inputs)."""
         try:
             dataset_path(dataset)
             lora_save_path(save_name)
