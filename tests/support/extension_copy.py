@@ -74,9 +74,9 @@ ADDED = {f"ugpum/compute/modes/{NEW_MODE}.py": MODE_FILE,
 
 
 def extended_copy(root: Path) -> Path:
-    """The pack (its core, nodes and ComfyUI bridge) copied to `root`, plus the files of `ADDED`."""
+    """The pack (its core, nodes, scripts and ComfyUI bridge) copied to `root`, plus the files of `ADDED`."""
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
-    for folder in ("ugpum", "nodes"):
+    for folder in ("ugpum", "nodes", "scripts"):
         shutil.copytree(REPO / folder, root / folder, ignore=ignore)
     for name in ("comfy_bridge.py", "__init__.py"):
         shutil.copy2(REPO / name, root / name)
@@ -92,7 +92,7 @@ def extended_copy(root: Path) -> Path:
 def differences(root: Path) -> tuple[set[str], set[str]]:
     """(files only in the copy, files of this checkout that the copy holds otherwise or lacks)."""
     def files(base: Path) -> dict[str, bytes]:
-        found = [p for folder in ("ugpum", "nodes") for p in (base / folder).rglob("*") if p.is_file()
+        found = [p for folder in ("ugpum", "nodes", "scripts") for p in (base / folder).rglob("*") if p.is_file()
                  and "__pycache__" not in p.parts] + [base / "comfy_bridge.py", base / "__init__.py"]
         return {str(p.relative_to(base)): p.read_bytes() for p in found}
     mine, copy = files(REPO), files(root)

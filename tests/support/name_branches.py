@@ -64,8 +64,10 @@ def mode_branches(path: Path, modes: set[str]) -> list[str]:
 
 
 def pack_code(root: Path) -> list[Path]:
-    """The pack's Python code at `root`: the core, the nodes and the bridge to ComfyUI."""
-    return sorted((root / "ugpum").rglob("*.py")) + sorted((root / "nodes").rglob("*.py")) + [root / "comfy_bridge.py"]
+    """The pack's Python code at `root`: the core, the nodes, the bridge to ComfyUI and the scripts (bench/
+    aside: it is being rewritten to drive the engine)."""
+    return sorted((root / "ugpum").rglob("*.py")) + sorted((root / "nodes").rglob("*.py")) + \
+        [root / "comfy_bridge.py"] + sorted((root / "scripts").glob("*.py"))
 
 
 def name_branches(root: Path, families: set[str], modes: set[str]) -> list[str]:
