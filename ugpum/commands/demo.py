@@ -31,15 +31,17 @@ def run_real_demo(models: Path, steps: int | None, out_dir: Path, log, comfyui: 
     """The Klein 9B workflow on the real files: ComfyUI's own text encoder and VAE (as the stock
     loaders load them) cache the captions and latents, then the DiT trains split by the plan. The
     devices and the ComfyUI (`train`'s, for the same --models) are checked before any file is."""
+    from ..arch import get_spec
     from .train import check_devices, find_comfyui, model_files, run_training
     cfg = load_config(KLEIN_PROFILE, overrides={
         "dataset": str(DEMO_DATASET), "trigger": TRIGGER, "steps": steps,
         "sample_prompt": f"{TRIGGER}, waving, full body, on a beach", "output_name": "ugpum_klein9b_loranne"})
-    check_devices(cfg)
-    found = find_comfyui(cfg, comfyui, str(models), [])
-    files = model_files(cfg, str(models), None, None, None)
+    spec = get_spec(cfg.model)
+    check_devices(cfg, spec)
+    found = find_comfyui(cfg, spec, comfyui, str(models), [])
+    files = model_files(cfg, str(models), None, None, None, spec)
     (out_dir / "plan_report.txt").write_text(klein_report())
-    result = run_training(cfg, out_dir, files, found, log=log, overwrite=True)      # a demo replaces its last run
+    result = run_training(cfg, out_dir, files, found, spec, log=log, overwrite=True)   # a demo replaces its last run
     loss_curve(result.losses).save(out_dir / "loss.png")
     log(f"LoRA: {result.lora_path}; before/after: {result.sample_grid}; plan report: {out_dir / 'plan_report.txt'}")
     return 0

@@ -71,7 +71,7 @@ _GEFORCE_DERATE = 0.8
 # Cards not in a whitepaper table are scaled from their family's flagship per SM and GHz of boost clock:
 # Ampere GeForce 71 / (82 SMs x 1.695 GHz) = 0.511, Ada 165.2 / (128 x 2.52) = 0.512 dense TFLOP/s.
 # compute_capability says which 8-bit tensor cores a card has (8.6 Ampere: int8; 8.9 Ada, 9.0 Hopper,
-# 12.0 Blackwell GeForce: fp8 and int8), for base_compute = auto (ugpum.compute.base_compute.eight_bit_mode).
+# 12.0 Blackwell GeForce: fp8 and int8), for base_compute = auto (ugpum.compute.modes.fastest_mode_for).
 PRESETS: dict[str, dict] = {
     # Ampere GA106: 28 SMs x 1.777 GHz x 0.511 = 25.4 dense. The 12 GB desktop card.
     "rtx3060": {"memory_bytes": 12 * GIB, "tflops_bf16": round(25.4 * _GEFORCE_DERATE, 1),

@@ -3,7 +3,8 @@
 A key covers the image's content digest (a clip's, with its frames and stride; or the caption text),
 the bucket and the encoders' identity, so a changed image, clip, caption or encoder gives a new key
 (the stale entry is simply not used); a damaged file is rebuilt. Files are written under a temporary name and
-renamed. A clip's latent is [16, T', h, w] with T' = 1 + (frames - 1) / 4 (Wan's VAE).
+renamed. A clip's latent is [C, T', h, w] with T' the model's latent frames (`ArchSpec.latent_frames`; Wan's
+VAE: 1 + (frames - 1) / 4).
 The folder is checked writable before anything is computed, and each entry's size against the free
 space before it is written: either problem is one sentence naming the folder and the fix.
 """
@@ -17,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..arch.base import latent_frames
+from ..arch import family_of
 from ..folders import check_writable
 from ..formats.atomic import atomic_path
 from .dataset import ImageItem, load_bucketed_image
@@ -35,10 +36,10 @@ KEPT = "the features cached so far are kept (or set cache_dir to a folder on ano
 class FeatureCache:
     KINDS = ("latents", "text")          # a subfolder each
 
-    def __init__(self, folder: str | Path, encoders: Encoders, setting: str = "cache_dir"):
+    def __init__(self, folder: str | Path, encoders: Encoders, spec, setting: str = "cache_dir"):
         self.folder = check_writable(folder, setting, "set cache_dir to a folder you can write in, or make "
                                                       "this one writable")
-        self.encoders = encoders
+        self.encoders, self.spec = encoders, spec
         self.hits = 0
         self.misses = 0
 
@@ -75,10 +76,11 @@ class FeatureCache:
     def clip_latent(self, item: ClipItem) -> torch.Tensor:
         def encode() -> torch.Tensor:
             latent = self.encoders.encode_video(load_bucketed_clip(item))[0]
-            expected = latent_frames(item.frames)
+            expected = self.spec.latent_frames(item.frames)
             if latent.dim() != 4 or latent.shape[1] != expected:
                 raise ValueError(f"clip {item.path}: the VAE gave a latent of shape {tuple(latent.shape)} for "
-                                 f"{item.frames} frames, not [C, {expected}, h, w]; connect the Wan 2.1 VAE")
+                                 f"{item.frames} frames, not [C, {expected}, h, w]; connect the "
+                                 f"{family_of(self.spec).title} VAE")
             return latent
         key = self._key(content_digest(item.path), repr(item.bucket).encode(),
                         f"frames={item.frames} stride={item.stride}".encode(), PIXELS)

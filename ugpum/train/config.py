@@ -12,6 +12,7 @@ from ..arch import Workload, get_spec, model_ids
 from ..arch.base import RECOMPUTE_SETTINGS
 from ..placement.schedules import ALL_SETTINGS as SCHEDULE_SETTINGS
 from ..compute.dtypes import TRAINING_DTYPES
+from ..compute.modes import SETTINGS as BASE_COMPUTE_SETTINGS, held_dtype
 from ..diffusion.flow import TIMESTEP_METHODS
 from ..wording import EngineError, quoted, setting
 
@@ -168,7 +169,7 @@ class TrainConfig:
     stand_in_encoders: bool = False       # fixed random encoders instead of a VAE/text encoder
                                           # (tiny models, benchmarks on random weights)
     compile: str = "auto"                 # compiled blocks (ugpum/compute/compile.py): auto (CUDA with Triton) | on | off
-    base_compute: str = "bf16"            # the frozen base's matmuls: bf16 | fp8 | int8 (ugpum/compute/base_compute.py)
+    base_compute: str = "bf16"            # the frozen base's matmuls: auto | bf16 | fp8 | int8 (ugpum/compute/modes/)
 
     def validate(self) -> "TrainConfig":
         """Every setting's type, then its range (against the model where it matters), as one sentence
@@ -225,7 +226,7 @@ class TrainConfig:
         problem = file_name_problem(self.output_name, f"_step{self.steps}.safetensors")
         need(not problem, "output_name", problem)
         need(self.compile in ("auto", "on", "off"), "compile", "auto, on or off")
-        need(self.base_compute in ("auto", "bf16", "fp8", "int8"), "base_compute", "auto, bf16, fp8 or int8")
+        need(self.base_compute in BASE_COMPUTE_SETTINGS, "base_compute", ", ".join(BASE_COMPUTE_SETTINGS))
         need(self.recompute in RECOMPUTE_SETTINGS, "recompute", "auto (the planner keeps the activations the "
              "memory holds), all (every block recomputed in backward) or none")
         if self.dataset_root is not None and self.dataset:
@@ -240,9 +241,9 @@ class TrainConfig:
 
     def workload(self) -> Workload:
         """One step's shape, as the planner sees it (text at ComfyUI's padded 512 tokens). An 8-bit
-        base_compute holds the base weights at 1 byte each on the GPUs, as fp8 weights are. compile=auto
+        base_compute holds the base weights as its mode does (an 8-bit one: 1 byte each, as fp8 weights). compile=auto
         is planned as compiled (what it does on a CUDA GPU with Triton; it says so where it cannot)."""
-        held = "fp8" if self.base_compute in ("fp8", "int8") else self.weight_dtype     # (auto: the planner's)
+        held = held_dtype(self.base_compute, self.weight_dtype)          # (auto: the planner's)
         return Workload(width=self.resolution, height=self.resolution, frames=self.frames, batch=self.batch,
                         rank=self.rank, recompute=self.recompute, held_dtype=held,
                         compiled=self.compile != "off", base_compute=self.base_compute)

@@ -64,7 +64,7 @@ class Samples:
         path.parent.mkdir(exist_ok=True)
         if len(frames) > 1:
             with atomic_path(path.with_suffix(".webp")) as tmp:
-                save_animation(frames, tmp)
+                save_animation(frames, tmp, self.spec.frame_rate)
         with atomic_path(path) as tmp:
             image.save(tmp, format="PNG")
         self.paths.append(path)

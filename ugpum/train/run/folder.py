@@ -56,7 +56,7 @@ def open_run(cfg: TrainConfig, spec, out: Path, resume: bool, overwrite: bool, l
     removed = remove_leftovers(out, cfg.cache_dir)
     if removed:
         log(f"removed {len(removed)} temporary file(s) an interrupted save left in {out}")
-    items = load_items(cfg, log)
+    items = load_items(cfg, spec, log)
     data_hash = dataset_hash(items)
     identity = run_identity(cfg, spec, data_hash)
     if resume:
