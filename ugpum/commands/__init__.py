@@ -7,6 +7,7 @@ import os
 import signal
 import sys
 
+from ..startup import started
 from ..train.stopping import stop_on_sigterm
 from ..wording import EngineError, for_cli
 from .bench import add_bench_parser, run_bench
@@ -39,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         with stop_on_sigterm():                          # SIGTERM stops every verb as Ctrl-C does, with a word
+            started()                                    # (the start-up's stops end here: ugpum/startup.py)
             return COMMANDS[args.command][1](args)
     except KeyboardInterrupt as stop:                   # Ctrl-C, or SIGTERM (ugpum.train.stopping)
         signum = getattr(stop, "signum", signal.SIGINT)

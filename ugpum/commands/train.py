@@ -17,6 +17,7 @@ from ..placement.schedules import ALL_SETTINGS
 from ..compute.dtypes import TORCH_DTYPES
 from ..train.config import PROFILES, TrainConfig, load_config
 from ..folders import check_writable, dangling_link, too_long_name
+from ..startup import stops_while_starting
 from .bridge import comfy_bridge
 from .prog import printer
 from .errors import UsageError
@@ -256,14 +257,15 @@ def run_training(cfg: TrainConfig, out: str | Path, files: ModelFiles | None = N
     `hooks` go to `ugpum.train.loop.train` (resume, log, inputs, ...); a `log` words the settings the
     run log marks (`prog.printer`)."""
     from ..train.loop import train
-    bridge = comfy_bridge()
-    import torch
-    folder = bridge.comfyui_folder(comfyui) if comfyui is not None else bridge.find_comfyui_or_raise()
-    bridge.import_comfy(folder, cpu=not torch.cuda.is_available())
-    if files is not None:
-        cfg.model_file = str(files.dit)
-    encoders = build_encoders(cfg, files, bridge)
-    model, key_prefix = build_model(cfg, bridge)
+    with stops_while_starting():          # (the command line) ComfyUI's imports and the model: nothing written yet
+        bridge = comfy_bridge()
+        import torch
+        folder = bridge.comfyui_folder(comfyui) if comfyui is not None else bridge.find_comfyui_or_raise()
+        bridge.import_comfy(folder, cpu=not torch.cuda.is_available())
+        if files is not None:
+            cfg.model_file = str(files.dit)
+        encoders = build_encoders(cfg, files, bridge)
+        model, key_prefix = build_model(cfg, bridge)
     with bridge.comfy_training_mode():
         return train(cfg, out, model=model, encoders=encoders, key_prefix=key_prefix, **hooks)
 
@@ -330,6 +332,25 @@ def random_weights_note(cfg: TrainConfig) -> str | None:
 
 
 def run_train(args) -> int:
+    with stops_while_starting():          # (the command line) the checks and the files to load: nothing written yet
+        out, cfg, files, comfyui, inputs = prepare_run(args)
+    if getattr(args, "distributed", False) or getattr(args, "data_parallel", 1) != 1:   # torchrun ... --distributed
+        from .train_distributed import run_train_distributed
+        return run_train_distributed(args, cfg, out, files, build_model, build_encoders, comfyui, inputs)
+    from ..train.run.folder import RunFinished
+    try:
+        result = run_training(cfg, out, files, comfyui, resume=bool(args.resume), overwrite=args.overwrite,
+                              inputs=inputs, log=printer("train"))
+    except RunFinished as finished:                  # not an error: the run is done
+        printer("train")(finished)
+        return 0
+    print(f"LoRA: {result.lora_path}")
+    return 0
+
+
+def prepare_run(args) -> tuple:
+    """(out, settings, model files, ComfyUI, inputs) of the run the flags ask for, each checked, before
+    anything is loaded or written."""
     if args.resume and args.out and Path(args.resume).resolve() != Path(args.out).resolve():
         raise UsageError(f"--resume {args.resume} continues the run in that folder; drop --out {args.out} "
                          "(a resumed run stays in its own folder)")
@@ -357,18 +378,7 @@ def run_train(args) -> int:
         print(note)
     inputs = {"models": _absolute(models), "comfyui": _absolute(args.comfyui or recorded.get("comfyui")),
               **({"text_encoder": _absolute(files.text_encoder), "vae": _absolute(files.vae)} if files else {})}
-    if getattr(args, "distributed", False) or getattr(args, "data_parallel", 1) != 1:   # torchrun ... --distributed
-        from .train_distributed import run_train_distributed
-        return run_train_distributed(args, cfg, out, files, build_model, build_encoders, comfyui, inputs)
-    from ..train.run.folder import RunFinished
-    try:
-        result = run_training(cfg, out, files, comfyui, resume=bool(args.resume), overwrite=args.overwrite,
-                              inputs=inputs, log=printer("train"))
-    except RunFinished as finished:                  # not an error: the run is done
-        printer("train")(finished)
-        return 0
-    print(f"LoRA: {result.lora_path}")
-    return 0
+    return out, cfg, files, comfyui, inputs
 
 
 def _absolute(path) -> str | None:
