@@ -45,7 +45,7 @@ _FLAGS = {
              "distributed": "--distributed"},
     "train": {"batch": "--batch", "base_compute": "--base-compute", "grad_accum": "--grad-accum",
               "frames": "--frames", "schedule": "--schedule", "steps": "--steps", "compile": "--compile",
-              "devices": "--devices",
+              "devices": "--devices", "dataset": "--dataset", "model_file": "--model",
               "resume": "--resume", "overwrite": "--overwrite", "distributed": "--distributed"},
     "demo": {"steps": "--steps"},
 }
@@ -58,7 +58,8 @@ _NODE_INPUTS = {"weight_dtype": ("weight_dtype", "UGPUM Loader"), "devices": ("d
                 "rank": ("LoRA rank", "Partition Planner"), "recompute": ("recompute", "Partition Planner"),
                 "frames": ("frames", "Partition Planner"), "schedule": ("schedule", "Partition Planner"),
                 "base_compute": ("base compute", "Partition Planner"), "steps": ("steps", "LoRA Trainer"),
-                "compile": ("compile", "LoRA Trainer")}
+                "compile": ("compile", "LoRA Trainer"), "dataset": ("dataset", "LoRA Trainer"),
+                "model_file": ("dit_name", "UGPUM Loader")}
 # What the nodes say for a setting they hold otherwise, or not at all (the same with a value or without,
 # unless a pair: (without a value, with one)).
 _NODE_WORDS = {

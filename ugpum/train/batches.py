@@ -26,7 +26,7 @@ def load_items(cfg: TrainConfig, log=print) -> list[ImageItem]:
     if cfg.dataset_root:                 # the nodes: checked again as it is read (a TOML may have changed)
         check_inside(path, cfg.dataset_root)
     if path.suffix == ".toml":
-        items = load_musubi_toml(path, cfg.trigger, family, cfg.frames, cfg.frame_stride, cfg.resolution)
+        items = load_musubi_toml(path, cfg.trigger, family, cfg.frames, cfg.frame_stride, cfg.resolution, log)
     else:
         items = load_folder(path, family, frames=cfg.frames, stride=cfg.frame_stride,
                             resolution=cfg.resolution, repeats=cfg.repeats, trigger=cfg.trigger)
