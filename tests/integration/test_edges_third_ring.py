@@ -6,18 +6,32 @@ read as they are; a resume says what it does; output that cannot be written is n
 signals, files, filesystems and safetensors throughout."""
 from __future__ import annotations
 
+import fcntl
+import json
 import os
 import signal
+import struct
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from safetensors import safe_open
 
 from comfy_bridge import find_comfyui
 from support.cli_run import REPO, Run, one_sentence, train
+from ugpum.formats.lora_file import load_lora
+from ugpum.train.run.checkpoint import latest_checkpoint
 
 pytestmark = pytest.mark.skipif(find_comfyui() is None, reason="needs ComfyUI's model classes")
 DATASET = REPO / "demo_datasets" / "loranne"
 BASE = ["--profile", "tiny-flux2", "--dataset", str(DATASET), "--devices", "cpu", "--sample-every", "0"]
+LOCK = ".ugpum_run.lock"
+
+
+def steps_logged(out: Path) -> list[int]:
+    metrics = out / "metrics.jsonl"
+    return [json.loads(line)["step"] for line in metrics.read_text().splitlines()] if metrics.is_file() else []
 
 
 # ---------------------------------------------------------------- 1. a stop is final
@@ -91,3 +105,111 @@ def test_musubi_tuners_own_dataset_keys_are_said_to_change_nothing(tmp_path):
     assert (f"note: dataset config {dataset}: cache_directory, debug_dataset change nothing in UGPUM (cache_directory: "
             "musubi-tuner's latent cache (UGPUM caches features in the run's cache_dir); debug_dataset: "
             "musubi-tuner's dataset viewer); the run trains as without them") in text, text
+
+
+# ---------------------------------------------------------------- 3. a save the system refuses keeps what was saved
+
+LIMITED = ("import os, resource, sys; resource.setrlimit(resource.RLIMIT_FSIZE, ({size}, {size})); "
+           "os.execv(sys.argv[1], sys.argv[1:])")
+
+
+def file_size_limit(size: int) -> tuple[str, ...]:
+    """A command prefix: the child may write files of at most `size` bytes (RLIMIT_FSIZE; a write past it
+    fails with EFBIG, as Python ignores SIGXFSZ)."""
+    return (sys.executable, "-c", LIMITED.format(size=size))
+
+
+def temporaries(out: Path) -> list[Path]:
+    return [p for p in out.rglob(".*") if p.name != LOCK]
+
+
+def checkpoints(out: Path) -> list[str]:
+    return sorted(p.name for p in (out / "checkpoints").iterdir() if p.name != "latest.json")
+
+
+def test_a_file_size_limit_keeps_the_last_checkpoint_and_says_so_in_one_sentence(tmp_path):
+    out = tmp_path / "run"
+    assert train(*BASE, "--steps", "1", "--out", str(out))[0] == 0
+    before = (out / "checkpoints" / "step_000001" / "optimizer.safetensors").read_bytes()
+    rc, text = Run(*BASE, "--steps", "2", "--resume", str(out), prefix=file_size_limit(200_000)).finish()
+    assert rc == 2, text                             # the LoRA (122 KiB) fits, the optimizer's state (239 KiB) not
+    assert (f"error: cannot write the checkpoint at step 2 (step_000002/optimizer.safetensors) in {out}/checkpoints: "
+            "the file would be larger than this system lets a process write (a file-size limit, as `ulimit -f` sets, "
+            "or the largest file its filesystem takes); raise the limit (ulimit -f unlimited) or write to a "
+            "filesystem that takes larger files; kept: the LoRA of step 2 (ugpum_lora.safetensors) and the "
+            f"checkpoint step_000001, which --resume {out} continues from") in text, text
+    one_sentence(text)
+    assert checkpoints(out) == ["step_000001"] and not temporaries(out), temporaries(out)
+    assert (out / "checkpoints" / "step_000001" / "optimizer.safetensors").read_bytes() == before
+    assert load_lora(out / "ugpum_lora.safetensors")[1]["ugpum.steps"] == "2"
+    rc, text = train(*BASE, "--steps", "2", "--resume", str(out))
+    assert rc == 0 and steps_logged(out) == [1, 2], text
+
+
+def test_a_checkpoint_folder_remounted_read_only_keeps_the_last_checkpoint_and_says_so(tmp_path, tmpfs):
+    out = tmp_path / "run"
+    disk = tmpfs("8m")
+    out.mkdir()
+    (out / "checkpoints").symlink_to(disk)              # the checkpoints on a disk of their own
+    assert train(*BASE, "--steps", "1", "--out", str(out))[0] == 0
+    assert subprocess.run(["mount", "-o", "remount,ro", str(disk)]).returncode == 0
+    rc, text = train(*BASE, "--steps", "2", "--resume", str(out))
+    assert rc == 2 and (f"error: cannot write the checkpoint at step 2 (step_000002) in {out}/checkpoints: its disk is "
+                        "read-only now (mounted so, or remounted read-only, as Linux does after disk errors); make it "
+                        "writable again (after disk errors, check the disk first: dmesg); kept: the LoRA of step 2 "
+                        f"(ugpum_lora.safetensors) and the checkpoint step_000001, which --resume {out} continues "
+                        "from") in text, text
+    one_sentence(text)
+    assert subprocess.run(["mount", "-o", "remount,rw", str(disk)]).returncode == 0
+    assert checkpoints(out) == ["step_000001"] and not temporaries(out), temporaries(out)
+    rc, text = train(*BASE, "--steps", "2", "--resume", str(out))
+    assert rc == 0 and steps_logged(out) == [1, 2], text
+
+
+@pytest.fixture
+def ext4(tmp_path):
+    """A real ext4 filesystem on a loop device (root only), and a function that shuts it down as a disk
+    that fails does: from then on every read and write of it is an I/O error (EIO) until it is mounted
+    again (ext4's shutdown ioctl, as xfstests' godown uses)."""
+    image, point = tmp_path / "ext4.img", tmp_path / "ext4"
+    point.mkdir()
+    with open(image, "wb") as f:
+        f.truncate(64 * 2**20)
+    made = subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], capture_output=True)
+    if made.returncode or subprocess.run(["mount", "-o", "loop", str(image), str(point)], capture_output=True).returncode:
+        pytest.skip("cannot make and mount an ext4 filesystem on a loop device here")
+
+    def shut_down():
+        fd = os.open(point, os.O_RDONLY)
+        try:
+            fcntl.ioctl(fd, EXT4_IOC_SHUTDOWN, struct.pack("I", 0))     # (0: its data on disk first)
+        finally:
+            os.close(fd)
+
+    def remount():
+        subprocess.run(["umount", str(point)], check=True)
+        subprocess.run(["mount", "-o", "loop", str(image), str(point)], check=True)
+    yield point, shut_down, remount
+    subprocess.run(["umount", "-l", str(point)], capture_output=True)
+
+
+EXT4_IOC_SHUTDOWN = 0x8004587D          # _IOR('X', 125, __u32)
+
+
+def test_a_disk_that_fails_mid_run_is_one_sentence_and_the_run_resumes_from_its_last_checkpoint(tmp_path, ext4):
+    point, shut_down, remount = ext4
+    out, config = point / "run", tmp_path / "every.toml"
+    config.write_text(f'save_every = 1\ncache_dir = "{tmp_path / "cache"}"\n')
+    run = Run(*BASE, "--config", str(config), "--steps", "300", "--out", str(out))
+    run.wait_until(lambda: (out / "checkpoints" / "latest.json").is_file(), what="a checkpoint")
+    shut_down()
+    rc, text = run.finish()
+    assert rc == 2 and "the disk reported an input/output error (a failing disk, cable or network share); check the " \
+        "disk (dmesg) and its connection before going on; what was saved before stays on that disk, which cannot be " \
+        f"read now: once it can, --resume {out} continues from its newest intact checkpoint" in text, text
+    one_sentence(text)
+    remount()
+    last = latest_checkpoint(out)
+    step = int(last.name.removeprefix("step_"))
+    rc, text = train(*BASE, "--config", str(config), "--steps", str(step + 1), "--resume", str(out))
+    assert rc == 0 and steps_logged(out)[-1] == step + 1 and not temporaries(out), text

@@ -15,11 +15,11 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from ..arch.base import latent_frames
 from ..folders import check_writable
-from ..formats.atomic import atomic_path
+from ..formats.safetensors_writer import write_tensors
 from .dataset import ImageItem, load_bucketed_image
 from .encoders import Encoders
 from .video import ClipItem, content_digest, load_bucketed_clip
@@ -61,8 +61,7 @@ class FeatureCache:
         tensor = compute().detach().cpu().contiguous()
         path.parent.mkdir(parents=True, exist_ok=True)
         needed = tensor.numel() * tensor.element_size() + 1024
-        with atomic_path(path, needed=needed, kept=KEPT) as tmp:
-            save_file({"value": tensor}, str(tmp), metadata={"encoders": self.encoders.identity})
+        write_tensors(path, {"value": tensor}, {"encoders": self.encoders.identity}, needed=needed, kept=KEPT)
         self.misses += 1
         return tensor
 
