@@ -213,3 +213,40 @@ def test_a_disk_that_fails_mid_run_is_one_sentence_and_the_run_resumes_from_its_
     step = int(last.name.removeprefix("step_"))
     rc, text = train(*BASE, "--config", str(config), "--steps", str(step + 1), "--resume", str(out))
     assert rc == 0 and steps_logged(out)[-1] == step + 1 and not temporaries(out), text
+
+
+# ---------------------------------------------------------------- 4. no leftovers
+
+def killed_at_rename(number: int) -> tuple[str, ...]:
+    """A command prefix: the child is killed (SIGKILL) as it makes its `number`-th rename, the moment a
+    write under a temporary name ends, ours or a library's inside ours (strace's fault injection)."""
+    import shutil
+    if shutil.which("strace") is None or subprocess.run(["strace", "-qq", "-o", "/dev/null", "true"]).returncode:
+        pytest.skip("strace cannot trace here")
+    calls = "rename,renameat,renameat2"
+    return ("strace", "-f", "-qq", "-o", "/dev/null", "-e", f"trace={calls}",
+            "-e", f"inject={calls}:signal=SIGKILL:when={number}")
+
+
+def test_a_process_killed_as_it_writes_the_first_cached_feature_leaves_nothing_past_the_next_run(tmp_path):
+    out = tmp_path / "run"
+    rc, text = Run(*BASE, "--steps", "1", "--out", str(out), prefix=killed_at_rename(1),
+                   env={"PYTHONDONTWRITEBYTECODE": "1"}).finish()
+    assert rc == -signal.SIGKILL or rc == 128 + signal.SIGKILL, (rc, text)
+    assert temporaries(out / "cache")                       # what the killed write left
+    rc, text = train(*BASE, "--steps", "1", "--out", str(out))
+    assert rc == 0, text
+    assert not temporaries(out), temporaries(out)
+
+
+def test_a_process_killed_as_it_copies_the_packaged_comfyui_leaves_nothing_past_the_next_run(tmp_path):
+    cache = tmp_path / "xdg"                                 # where the packaged ComfyUI is copied, once
+    env = {"XDG_CACHE_HOME": str(cache), "COMFYUI_PATH": "", "PYTHONDONTWRITEBYTECODE": "1"}
+    rc, text = Run(*BASE, "--steps", "1", "--out", str(tmp_path / "run"), prefix=killed_at_rename(1),
+                   env=env).finish()                         # (its first rename: the copy taking its name)
+    assert rc in (-signal.SIGKILL, 128 + signal.SIGKILL), (rc, text)
+    assert len(list((cache / "ugpum").iterdir())) == 1       # the half-made copy
+    rc, text = Run(*BASE, "--steps", "1", "--out", str(tmp_path / "run"), env=env).finish()
+    assert rc == 0, text
+    left = [p.name for p in (cache / "ugpum").iterdir()]
+    assert len(left) == 1 and left[0].startswith("comfyui-horde-"), left     # the copy alone

@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +21,7 @@ from typing import Any
 from .disk_space import check_space, refused_write
 
 
-def _temp_name_for(final: Path) -> Path:
+def temp_name_for(final: Path) -> Path:
     # Hidden and with a random part, so it never collides with or looks like a finished file; the
     # writer's process id in it tells a leftover of a killed writer from a write under way.
     # A final name near the 255 bytes a file name may take is shortened in it (the name stays unique).
@@ -113,11 +114,13 @@ def abandoned_temp(path: Path) -> bool:
 
 
 def remove_abandoned(folder: Path | str) -> list[Path]:
-    """Delete the temporary files of killed writers in `folder` (not those of writes under way)."""
+    """Delete the temporary files (and folders named as atomic_path names files) of killed writers in
+    `folder`, not those of writes under way."""
     folder = Path(folder)
-    gone = [p for p in sorted({*folder.glob(".*.tmp"), *folder.glob(".tmp*")}) if p.is_file() and abandoned_temp(p)]
+    found = sorted({*folder.glob(".*.tmp"), *folder.glob(".tmp*")})
+    gone = [p for p in found if (p.is_file() or (p.is_dir() and is_temp_name(p.name))) and abandoned_temp(p)]
     for p in gone:
-        p.unlink(missing_ok=True)
+        shutil.rmtree(p, ignore_errors=True) if p.is_dir() and not p.is_symlink() else p.unlink(missing_ok=True)
     return gone
 
 
@@ -166,7 +169,7 @@ def atomic_path(final: Path | str, needed: int | None = None, kept: str | None =
         )
     if needed is not None:
         check_space(final.parent, needed, final.name, kept)
-    temp = _temp_name_for(final)
+    temp = temp_name_for(final)
     try:
         yield temp
         if not temp.exists():
