@@ -16,16 +16,21 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from PIL import Image
 from safetensors import safe_open
+from safetensors.torch import load_file
 
 from comfy_bridge import find_comfyui
 from support.cli_run import REPO, Run, one_sentence, train
+from support.png_files import exif_orientation, transparent_sets, turned_sets
 from ugpum.formats.lora_file import load_lora
 from ugpum.train.run.checkpoint import latest_checkpoint
 
 pytestmark = pytest.mark.skipif(find_comfyui() is None, reason="needs ComfyUI's model classes")
 DATASET = REPO / "demo_datasets" / "loranne"
 BASE = ["--profile", "tiny-flux2", "--dataset", str(DATASET), "--devices", "cpu", "--sample-every", "0"]
+TINY = ["--profile", "tiny-flux2", "--devices", "cpu", "--sample-every", "0"]
 LOCK = ".ugpum_run.lock"
 
 
@@ -250,3 +255,49 @@ def test_a_process_killed_as_it_copies_the_packaged_comfyui_leaves_nothing_past_
     assert rc == 0, text
     left = [p.name for p in (cache / "ugpum").iterdir()]
     assert len(left) == 1 and left[0].startswith("comfyui-horde-"), left     # the copy alone
+
+
+# ---------------------------------------------------------------- 5. pictures read as they are
+
+def cached_latents(out: Path) -> list[torch.Tensor]:
+    return [load_file(str(p))["value"] for p in sorted((out / "cache" / "latents").iterdir())]
+
+
+def same_latents(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    """Whether two runs cached the same latents, whatever their files' names (keys of other contents)."""
+    left = list(b)
+    for tensor in a:
+        match = next((i for i, t in enumerate(left) if t.shape == tensor.shape and torch.equal(t, tensor)), None)
+        if match is None:
+            return False
+        left.pop(match)
+    return not left
+
+
+@pytest.mark.parametrize("sets", [turned_sets, transparent_sets], ids=["orientation-anywhere", "transparent-colour"])
+def test_pictures_train_on_the_latents_of_the_pictures_they_show(tmp_path, sets):
+    stored, shown = sets(tmp_path)
+    latents = {}
+    for data in (stored, shown):
+        out = tmp_path / f"run_{data.name}"
+        rc, text = train(*TINY, "--dataset", str(data), "--steps", "1", "--out", str(out))
+        assert rc == 0, text
+        latents[data.name] = cached_latents(out)
+    assert same_latents(latents[stored.name], latents[shown.name]), \
+        ([tuple(t.shape) for t in latents[stored.name]], [tuple(t.shape) for t in latents[shown.name]])
+
+
+def test_damaged_metadata_is_one_note_naming_the_picture_not_a_librarys_warning(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    for i, size in enumerate(((64, 48), (48, 64))):
+        Image.new("RGB", size, (200, 30 * i, 90)).save(data / f"{i}.png")
+        (data / f"{i}.txt").write_text("loranne")
+    damaged = data / "2.jpg"                                 # an EXIF block whose directory is cut short
+    Image.new("RGB", (64, 48), (10, 200, 30)).save(damaged, exif=b"Exif\x00\x00" + exif_orientation(6)[:-12])
+    (data / "2.txt").write_text("loranne")
+    rc, text = Run(*TINY, "--dataset", str(data), "--steps", "1", "--out", str(tmp_path / "run")).finish()
+    assert rc == 0, text
+    notes = [line for line in text.splitlines() if str(damaged) in line]
+    assert len(notes) == 1 and notes[0].startswith(f"note: image {damaged} has damaged metadata (Corrupt EXIF data."), text
+    assert "Warning" not in text and "PIL" not in text, text

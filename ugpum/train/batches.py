@@ -20,7 +20,8 @@ from .video import load_folder
 
 
 def load_items(cfg: TrainConfig, log=print) -> list[ImageItem]:
-    """The run's dataset, read; `log` hears of every folder holding pictures of a kind it does not read."""
+    """The run's dataset, read; `log` hears of every folder holding pictures of a kind it does not read, and
+    of every picture with damaged metadata."""
     path = Path(cfg.dataset)
     family = get_spec(cfg.model).family
     if cfg.dataset_root:                 # the nodes: checked again as it is read (a TOML may have changed)
@@ -29,7 +30,7 @@ def load_items(cfg: TrainConfig, log=print) -> list[ImageItem]:
         items = load_musubi_toml(path, cfg.trigger, family, cfg.frames, cfg.frame_stride, cfg.resolution, log)
     else:
         items = load_folder(path, family, frames=cfg.frames, stride=cfg.frame_stride,
-                            resolution=cfg.resolution, repeats=cfg.repeats, trigger=cfg.trigger)
+                            resolution=cfg.resolution, repeats=cfg.repeats, trigger=cfg.trigger, log=log)
     folders = {Path(i.path).parent for i in items} | {Path(i.path) for i in items if Path(i.path).is_dir()}
     for folder in sorted(folders):                 # the dataset's folders, and each clip's folder of frames
         skipped = skipped_pictures(folder)

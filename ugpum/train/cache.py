@@ -27,7 +27,7 @@ from .video import ClipItem, content_digest, load_bucketed_clip
 
 # How pictures are decoded (ugpum/train/pictures.py), in every latent's key: a change in decoding (2: high
 # bit depths scaled, transparency laid over white) makes new latents rather than reusing stale ones.
-PIXELS = b"pixels=2"
+PIXELS = b"pixels=3"
 # What a full disk during caching keeps (said in the DiskFull sentence).
 KEPT = "the features cached so far are kept (or set cache_dir to a folder on another disk)"
 

@@ -92,6 +92,7 @@ def load_musubi_toml(path: Path | str, trigger: str = "", family: str = "flux2",
             enable_bucket=_check_bool(settings["enable_bucket"], "enable_bucket", where),
             bucket_no_upscale=_check_bool(settings["bucket_no_upscale"], "bucket_no_upscale", where),
             batch_size=_check_positive_int(settings["batch_size"], "batch_size", where),
+            log=log,
         )
         if common["batch_size"] != 1:
             raise DatasetError(f"{where}: batch_size = {common['batch_size']}: UGPUM takes the batch from the run "

@@ -158,7 +158,7 @@ def _too_short(source: Path, count: int, frames: int, stride: int, settings: tup
 
 
 def first_frame_size(source: Path, frames: int, stride: int = 1,
-                     settings: tuple[str, str] = ("frames", "the frame stride")) -> tuple[int, int]:
+                     settings: tuple[str, str] = ("frames", "the frame stride"), log=print) -> tuple[int, int]:
     """The (width, height) of a clip's first frame, once the clip is known to hold the frames training
     takes. A frame folder is judged from its file names and its frames' headers (every frame taken must
     have the first one's size): its pixels are decoded once, for the latent. A video is decoded up to
@@ -169,9 +169,9 @@ def first_frame_size(source: Path, frames: int, stride: int = 1,
     needed = 1 + (frames - 1) * stride
     if len(paths) < needed:
         raise _too_short(source, len(paths), frames, stride, settings)
-    size = image_size(paths[0])
+    size = image_size(paths[0], log)
     for p in paths[1:needed]:
-        other = image_size(p)
+        other = image_size(p, log)
         if other != size:
             raise DatasetError(f"frame folder {source}: {p.name} is {other[0]}x{other[1]}, the frames "
                                f"before it {size[0]}x{size[1]}; give every frame one size")
@@ -212,6 +212,7 @@ def load_clip_folder(
     repeats: int = 1,
     trigger: str = "",
     batch_size: int = 1,
+    log=print,
 ) -> list[ImageItem]:
     """Every clip (video file or frame folder) in `folder`, plus its loose images as single frames."""
     folder = Path(folder)
@@ -220,9 +221,9 @@ def load_clip_folder(
     if frames == 1 and folder_has_clips(folder):
         raise DatasetError(f"{where} holds clips ({list_clips(folder)[0].name}, ...) but frames is 1; set frames "
                            "to 4k+1 (e.g. 17 or 33) to train on clips, or remove the clips to train on images")
-    items = clip_items(folder, frames, stride, caption_ext, resolution, repeats, trigger, batch_size)
+    items = clip_items(folder, frames, stride, caption_ext, resolution, repeats, trigger, batch_size, log=log)
     if list_pictures(folder):
-        items += load_image_folder(folder, caption_ext, resolution, repeats, trigger, batch_size=batch_size)
+        items += load_image_folder(folder, caption_ext, resolution, repeats, trigger, batch_size=batch_size, log=log)
     return items
 
 
@@ -238,6 +239,7 @@ def clip_items(
     enable_bucket: bool = True,
     bucket_no_upscale: bool = False,
     settings: tuple[str, str] = ("frames", "the frame stride"),
+    log=print,
 ) -> list[ClipItem]:
     """The clips (video files and frame folders) in `folder`, each giving its first `frames` frames.
 
@@ -259,14 +261,14 @@ def clip_items(
     for clip in clips:
         caption_path = clip.with_name(clip.stem + caption_ext) if clip.is_file() else clip.with_name(clip.name + caption_ext)
         caption = _with_trigger(caption_for(clip, caption_path, "clip"), trigger)
-        first = first_frame_size(clip, frames, stride, settings)
+        first = first_frame_size(clip, frames, stride, settings, log)
         bucket = fixed or bucket_for(first, resolution, bucket_no_upscale, f"clip {clip}")
         items.extend(ClipItem(clip, caption, bucket, batch_size, frames, stride) for _ in range(repeats))
     return items
 
 
 def load_folder(folder: Path | str, family: str, frames: int = 1, stride: int = 1, resolution: Resolution = 1024,
-                repeats: int = 1, trigger: str = "") -> list[ImageItem]:
+                repeats: int = 1, trigger: str = "", log=print) -> list[ImageItem]:
     """A dataset folder for a model family: clips (a family that takes them: Wan) when it holds any, else images."""
     folder = Path(folder)
     if folder_has_clips(folder):
@@ -274,5 +276,6 @@ def load_folder(folder: Path | str, family: str, frames: int = 1, stride: int = 
             clip = list_clips(folder)[0]
             raise DatasetError(f"dataset folder {folder} holds video clips ({clip.name}, ...), but FLUX.2 models "
                                "train on images only; train clips on a Wan 2.1 model, or use a folder of images")
-        return load_clip_folder(folder, frames, stride, resolution=resolution, repeats=repeats, trigger=trigger)
-    return load_image_folder(folder, resolution=resolution, repeats=repeats, trigger=trigger)
+        return load_clip_folder(folder, frames, stride, resolution=resolution, repeats=repeats, trigger=trigger,
+                                log=log)
+    return load_image_folder(folder, resolution=resolution, repeats=repeats, trigger=trigger, log=log)
