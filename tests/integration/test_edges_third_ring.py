@@ -9,6 +9,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import shutil
 import signal
 import struct
 import subprocess
@@ -301,3 +302,31 @@ def test_damaged_metadata_is_one_note_naming_the_picture_not_a_librarys_warning(
     notes = [line for line in text.splitlines() if str(damaged) in line]
     assert len(notes) == 1 and notes[0].startswith(f"note: image {damaged} has damaged metadata (Corrupt EXIF data."), text
     assert "Warning" not in text and "PIL" not in text, text
+
+
+# ---------------------------------------------------------------- 6. a resume says what it does
+
+def test_more_steps_for_a_finished_cosine_run_say_how_the_schedule_goes_on(tmp_path):
+    out, config = tmp_path / "run", tmp_path / "cosine.toml"
+    config.write_text('lr_schedule = "cosine"\nlr = 1e-3\n')
+    assert train(*BASE, "--config", str(config), "--steps", "3", "--out", str(out))[0] == 0
+    rc, text = train(*BASE, "--config", str(config), "--steps", "6", "--resume", str(out))
+    assert rc == 0, text
+    lrs = {json.loads(line)["step"]: json.loads(line)["lr"] for line in (out / "metrics.jsonl").read_text().splitlines()}
+    assert (f"learning rate: --steps 6 where the run started with 3, so its cosine schedule is stretched over 6 "
+            f"steps: step 3 trained at lr {lrs[3]:.3g}, step 4 trains at lr {lrs[4]:.3g}") in text, text
+    assert lrs[4] == pytest.approx(2 * lrs[3])              # the jump the line states (a quarter of lr, then half)
+
+
+def test_a_dataset_moved_since_the_checkpoint_is_named_with_the_flag_that_goes_on_from_its_new_place(tmp_path):
+    data, out = tmp_path / "data", tmp_path / "run"
+    shutil.copytree(DATASET, data)
+    assert train(*TINY, "--dataset", str(data), "--steps", "1", "--out", str(out))[0] == 0
+    data.rename(tmp_path / "moved")
+    rc, text = train("--resume", str(out), "--steps", "2")
+    assert rc == 2 and text.strip() == (
+        f"error: --resume {out}: the run's dataset {data}, as its checkpoint {out}/checkpoints/step_000001 records "
+        f"it, is not there any more; if it moved, continue the run from its new place with --resume {out} "
+        "--dataset DIR"), text
+    rc, text = train("--resume", str(out), "--steps", "2", "--dataset", str(tmp_path / "moved"))
+    assert rc == 0 and steps_logged(out) == [1, 2], text

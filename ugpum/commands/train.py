@@ -118,6 +118,8 @@ def config_from_args(args) -> TrainConfig:
         source = f"profile {args.profile}" if args.profile else f"config {args.config}"
     elif args.resume:
         cfg, source = recorded_config(args.resume, _overrides(args)), f"the run in {args.resume}"
+        check_recorded_files(args.resume, {"dataset": None if args.dataset else cfg.dataset,
+                                           "model": None if args.model else cfg.model_file})
     else:
         raise UsageError("give --profile NAME or --config FILE.toml (" + ", ".join(PROFILES) + "), or --resume DIR "
                          "to continue a run")
@@ -164,6 +166,26 @@ def recorded_config(out: str, overrides: dict) -> TrainConfig:
     except TypeError as err:
         raise UsageError(f"--resume {out}: its checkpoint's settings do not fit this UGPUM ({err}); give the run's "
                          "--profile or --config as well") from None
+
+
+# what a run records of the files it was loaded from -> (what it is, the flag that gives its new place)
+RECORDED_FILES = {"dataset": ("dataset", "--dataset DIR"), "model": ("model file", "--model FILE"),
+                  "text_encoder": ("text encoder", "--text-encoder FILE"), "vae": ("VAE", "--vae FILE"),
+                  "models": ("models folder", "--models DIR"), "comfyui": ("ComfyUI", "--comfyui DIR")}
+
+
+def check_recorded_files(out: str, paths: dict) -> None:
+    """For `--resume DIR` alone: each file or folder the checkpoint records (`paths`: name -> recorded
+    path, None where the command line gives it again) must be there still; one that moved is named as
+    the checkpoint records it, with the flag that continues the run from its new place."""
+    from ..train.run.checkpoint import latest_checkpoint
+    for name, path in paths.items():
+        if path and not Path(path).exists():
+            what, flag = RECORDED_FILES[name]
+            checkpoint = latest_checkpoint(Path(out).expanduser())
+            raise UsageError(f"--resume {out}: the run's {what} {path}, as its checkpoint {checkpoint} records it, "
+                             f"is not there any more; if it moved, continue the run from its new place with "
+                             f"--resume {out} {flag}")
 
 
 def recorded_inputs(args) -> dict:
@@ -367,6 +389,8 @@ def prepare_run(args) -> tuple:
         raise UsageError("no dataset: give --dataset DIR (or set dataset in the config)")
     check_devices(cfg)                                  # a real model without a GPU: said before any file
     recorded = recorded_inputs(args)
+    check_recorded_files(args.resume, {name: None if getattr(args, name) else recorded.get(name)
+                                       for name in ("text_encoder", "vae", "models", "comfyui")})
     models = args.models or recorded.get("models")
     given = {"text_encoder": args.text_encoder or recorded.get("text_encoder"),
              "vae": args.vae or recorded.get("vae")}

@@ -21,6 +21,7 @@ from .checkpoint import (SaveRefused, check_same_run, header_digest, latest_chec
                          remove_leftovers, save_checkpoint)
 from ..config import TrainConfig
 from ..errors import RunExists, TrainingError
+from ..schedule import resume_note
 from ...compute.lora import LoraSet, lora_targets
 from .layout import RunFolder
 from ..stopping import saving
@@ -181,6 +182,9 @@ def resume_point(out: Path, cfg: TrainConfig, identity: dict, log) -> tuple[Path
                             f"1..{cfg.steps}{more}")
     check_metrics(out, step, log)
     log(f"resumed from {folder} at step {step}")
+    note = resume_note(cfg, ((state.get("identity") or {}).get("config") or {}).get("steps", cfg.steps), step)
+    if note:
+        log(note)                             # a changed total stretches the schedule: said, with both rates
     return folder, step
 
 
