@@ -30,7 +30,7 @@ from .engine import Stepper
 from .errors import RunExists, TrainingError  # noqa: F401 (the engine's errors, importable from here)
 from .objective import validation_picks
 from .prepare import make_optimizer, plan_for, prepare_model  # noqa: F401 (bench, tests)
-from .schedule import lr_factor
+from .lr_schedule import lr_factor
 from .progress import Progress
 from .run.folder import OpenedRun, earlier_run, keep_metrics_until, open_run  # noqa: F401 (the nodes)
 from .run.lock import hold_run_folder

@@ -19,7 +19,7 @@ from ..placement.place import place_by_plan
 from ..planning.plan import Plan, plan_training
 from ..placement.schedules import DISTRIBUTED_ONLY
 from .config import TrainConfig
-from .schedule import lr_factor  # noqa: F401 (the loop's and the benches' import)
+from .lr_schedule import lr_factor  # noqa: F401 (the loop's and the benches' import)
 from .errors import TrainingError
 from ..wording import setting
 from ..compute.lora import attach_lora, lora_targets

@@ -21,7 +21,7 @@ from .checkpoint import (SaveRefused, check_same_run, header_digest, latest_chec
                          remove_leftovers, save_checkpoint)
 from ..config import TrainConfig
 from ..errors import RunExists, TrainingError
-from ..schedule import resume_note
+from ..lr_schedule import resume_note
 from ...compute.lora import LoraSet, lora_targets
 from .layout import RunFolder
 from ..stopping import saving
