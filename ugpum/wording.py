@@ -118,3 +118,15 @@ def quoted(value: object, limit: int = 300) -> str:
         return text
     size = f"{len(value):,} characters" if isinstance(value, str) else f"{len(text):,} characters as written"
     return f"{text[:limit]}... ({size})"
+
+
+def cut_values(text: str, values, limit: int = 300) -> str:
+    """`text` with each of `values` (what the user gave: command-line arguments) longer than `limit` cut
+    where it appears, as it is or as its repr shows it, the way `quoted` cuts: a message never repeats
+    a 10 MB input back, whichever message quotes it."""
+    for value in sorted({v for v in values if isinstance(v, str) and len(v) > limit}, key=len, reverse=True):
+        cut = f"{value[:limit]}... ({len(value):,} characters)"
+        for shown in dict.fromkeys((value, repr(value)[1:-1])):
+            if shown in text:
+                text = text.replace(shown, cut)
+    return text

@@ -330,3 +330,89 @@ def test_a_dataset_moved_since_the_checkpoint_is_named_with_the_flag_that_goes_o
         "--dataset DIR"), text
     rc, text = train("--resume", str(out), "--steps", "2", "--dataset", str(tmp_path / "moved"))
     assert rc == 0 and steps_logged(out) == [1, 2], text
+
+
+# ---------------------------------------------------------------- 7. output that cannot be written
+
+def command(*args: str, stdout, stderr=subprocess.PIPE) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "ugpum", *args], cwd=REPO, stdout=stdout, stderr=stderr, text=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1"))
+
+
+@pytest.mark.parametrize("args", [("plan", "--profile", "tiny-flux2"), ("download", "--list"), ("--help",)],
+                         ids=["plan", "download-list", "help"])
+def test_a_closed_pipe_ends_quietly(args):
+    read, write = os.pipe()
+    os.close(read)                                        # `| head` that has read all it wants: nobody reads
+    proc = command(*args, stdout=write)
+    os.close(write)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGPIPE and err == "", (proc.returncode, err)
+
+
+def test_a_training_whose_pipe_closes_ends_quietly_with_every_step_saved(tmp_path):
+    out = tmp_path / "run"
+    proc = command("train", *BASE, "--steps", "3", "--out", str(out), stdout=subprocess.PIPE)
+    for line in proc.stdout:                              # `| head`: reads the first lines, then closes
+        if line.startswith("validation loss before"):
+            break
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=300) == 128 + signal.SIGPIPE, err
+    assert "error" not in err and "stopped" not in err and "Traceback" not in err, err
+    assert latest_checkpoint(out).name == "step_000003" and (out / "ugpum_lora.safetensors").is_file()
+    assert steps_logged(out) == [1, 2, 3]
+
+
+@pytest.mark.parametrize("args", [("plan", "--profile", "tiny-flux2"), ("train", *BASE, "--steps", "1")],
+                         ids=["plan", "train"])
+def test_a_full_device_for_standard_output_is_one_sentence(tmp_path, args):
+    if args[0] == "train":
+        args = (*args, "--out", str(tmp_path / "run"))
+    with open("/dev/full", "w") as full:
+        proc = command(*args, stdout=full)
+        _, err = proc.communicate(timeout=300)
+    lines = [line for line in err.splitlines() if line.strip() and not line.startswith("train [")]
+    assert proc.returncode == 2 and len(lines) == 1, err
+    assert lines[0].startswith("error: standard output cannot be written: no space left on device (the device it goes "
+                               "to is full); the command stopped there"), err
+    one_sentence(err)
+
+
+HUGE = "x" * (10 * 2**20)
+
+
+def every_option() -> list[tuple[str, str]]:
+    """(verb, option) for every option of every verb that takes a value, and each verb's positionals."""
+    import argparse
+
+    from ugpum.commands import build_parser
+    verbs = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    found = []
+    for verb, parser in verbs.items():
+        for action in parser._actions:
+            if action.nargs in (0, argparse.REMAINDER) or isinstance(action, argparse._HelpAction):
+                continue
+            found.append((verb, action.option_strings[0] if action.option_strings else ""))
+    return found
+
+
+@pytest.mark.parametrize("verb, option", every_option(), ids=lambda v: v or "positional")
+def test_a_ten_megabyte_value_is_quoted_cut_on_every_verb_and_option(tmp_path, monkeypatch, verb, option):
+    import contextlib
+    import io
+
+    from ugpum.commands import main
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    base = {"plan": ["--profile", "tiny-flux2"], "train": [*BASE, "--out", str(tmp_path / "run"), "--steps", "1"],
+            "demo": ["--out", str(tmp_path / "demo"), "--steps", "1"],
+            "download": ["klein-4b-1024", "--models", str(tmp_path / "models")], "doctor": [], "bench": ["nothing"]}[verb]
+    if option:
+        args = [verb, *base, option, HUGE]
+    else:                                                   # the positional first, in place of the base's
+        args = [verb, HUGE, *base[1:]] if verb in ("download", "bench") else [verb, HUGE, *base]
+    said = io.StringIO()
+    with contextlib.redirect_stdout(said), contextlib.redirect_stderr(said), contextlib.suppress(SystemExit):
+        main(args)
+    text = said.getvalue()
+    assert "x" * 1000 not in text and len(text) < 10_000, (len(text), text[:500])
