@@ -50,7 +50,7 @@ def signals_handled(handler, signals=SIGNALS):
 
 def _stop(signum, _frame):
     text = f"\nstopped by {signal.Signals(signum).name} while starting: nothing was done\n"
-    with contextlib.suppress(Exception):
+    with contextlib.suppress(BaseException):  # (the process ends below whatever the flush meets)
         sys.stdout.flush()                   # what was printed before stays in order
     try:
         sys.stderr.write(text)
