@@ -64,5 +64,14 @@ def _run(argv: list[str], output) -> int:
     except (EngineError, UsageError, ValueError, RuntimeError, OSError) as e:   # (the engine's, marked: as flags)
         if os.environ.get("UGPUM_DEBUG"):
             raise
-        print(f"error: {in_own_words(for_cli(str(e), args.command))}", file=sys.stderr)
+        print(f"error: {in_own_words(for_cli(said(e), args.command))}", file=sys.stderr)
         return 2
+
+
+def said(error: BaseException) -> str:
+    """An error as the sentence to print: the engine's own, or the system's reason in words and the file
+    it concerns (never "[Errno 36] ...")."""
+    if isinstance(error, OSError) and not isinstance(error, EngineError) and error.strerror:
+        files = " and ".join(str(f) for f in (error.filename, error.filename2) if f is not None)
+        return f"cannot use {files or 'a file'}: {error.strerror.lower()}; check the path given"
+    return str(error)
