@@ -113,6 +113,13 @@ def test_musubi_tuners_own_dataset_keys_are_said_to_change_nothing(tmp_path):
             "musubi-tuner's dataset viewer); the run trains as without them") in text, text
 
 
+def test_the_demos_comfyui_is_taken_without_models_not_dropped(tmp_path):
+    from support.cli_run import main_here
+    done = main_here("demo", "--comfyui", str(tmp_path / "nowhere"), "--steps", "1", "--out", str(tmp_path / "demo"))
+    assert done.returncode == 2 and f"--comfyui {tmp_path / 'nowhere'}: no such folder" in done.stderr, done.stderr
+    assert not (tmp_path / "demo").exists()             # (it ran the tiny demo on another ComfyUI, unsaid)
+
+
 # ---------------------------------------------------------------- 3. a save the system refuses keeps what was saved
 
 LIMITED = ("import os, resource, sys; resource.setrlimit(resource.RLIMIT_FSIZE, ({size}, {size})); "
