@@ -215,8 +215,8 @@ def open_rgb(path: Path) -> Image.Image:
         with _watched(path), opened(path) as image:
             turn = _UPRIGHT.get(_orientation(image, path))
             image.load()
-            if image.format != "PNG" and image.getexif().get(ORIENTATION, 1) == 1:
-                turn = None                    # the decoder turned it and cleared the tag (Pillow's TIFF reader)
+            if image.format != "PNG" and _turned_by_decoder(image):
+                turn = None
             rgb = as_rgb(image, path)
             rgb = rgb.copy() if rgb is image else rgb              # (closing the file lets go of its pixels)
             return rgb.transpose(turn) if turn is not None else rgb
@@ -224,6 +224,15 @@ def open_rgb(path: Path) -> Image.Image:
         raise
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as error:
         raise _unreadable(path, error) from error
+
+
+def _turned_by_decoder(image: Image.Image) -> bool:
+    """Whether decoding turned the picture upright itself and cleared its orientation (Pillow's TIFF
+    reader does), so that it is not turned twice."""
+    try:
+        return image.getexif().get(ORIENTATION, 1) == 1
+    except Exception:  # noqa: BLE001 - unreadable now: the orientation read before decoding stands
+        return False
 
 
 # ---------------------------------------------------------------- modes
