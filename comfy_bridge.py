@@ -19,7 +19,6 @@ import math
 import os
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -167,14 +166,18 @@ def comfyui_folder(found: FoundComfyUI) -> Path:
     """`found`'s folder, ready to import: the packaged ComfyUI copied there first (once)."""
     if not found.packaged:
         return found.path
+    from ugpum.formats.atomic import remove_abandoned, temp_name_for
     dest, stamp = _packaged_copy(found.packaged_from)
     src = found.packaged_from
+    with contextlib.suppress(OSError):
+        remove_abandoned(dest.parent)           # the half copy of a process killed while copying
     stamp_file = dest / ".ugpum-source"
     if _is_comfyui_dir(dest) and stamp_file.is_file() and stamp_file.read_text() == stamp:
         return dest
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix="comfyui-horde-", dir=dest.parent))
+        tmp = temp_name_for(dest)                # (named by this process: a killed one's is known as such)
+        tmp.mkdir()
     except OSError as err:                  # an unwritable HOME: one sentence with the fix, not an Errno
         raise ComfyUINotFound(f"cannot copy ComfyUI into {dest.parent} ({err.strerror}); set XDG_CACHE_HOME to a "
                               "folder you can write in, or COMFYUI_PATH to a ComfyUI checkout") from None

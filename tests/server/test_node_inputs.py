@@ -16,8 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from PIL import Image
+
 from support.comfy_server import REPO, comfy_server_factory, execution_error  # noqa: F401  (fixture)
 from support.pictures import picture_sets
+from support.png_files import exif_orientation, transparent_sets, turned_sets
 
 TINY_FILE = "tiny-flux2.safetensors"
 LORANNE = REPO / "demo_datasets" / "loranne"
@@ -60,6 +63,15 @@ def prepare(models: Path, input_dir: Path) -> None:
     caption.mkdir()
     (input_dir / "inside.toml").write_text('[[datasets]]\nimage_directory = "own_set"\nresolution = 64\n'
                                            "enable_bucket = true\n")
+    turned_sets(input_dir)                                         # input/turned, upright, keyed, flat (issue 39)
+    transparent_sets(input_dir)
+    (input_dir / "musubi_own.toml").write_text('[general]\nresolution = 64\nenable_bucket = true\ncache_directory = '
+                                               '"cache"\n\n[[datasets]]\nimage_directory = "own_set"\n'
+                                               "debug_dataset = false\n")
+    copy_images(input_dir / "damaged_meta", count=1)
+    Image.new("RGB", (64, 48), (10, 200, 30)).save(input_dir / "damaged_meta" / "cut_exif.jpg",
+                                                   exif=b"Exif\x00\x00" + exif_orientation(6)[:-12])
+    (input_dir / "damaged_meta" / "cut_exif.txt").write_text("loranne")
 
 
 @pytest.fixture(scope="module")
@@ -221,3 +233,52 @@ def test_a_publish_a_killed_comfyui_left_half_done_is_cleared_by_the_next_run(se
     entry = server.run(training("input/inside.toml", "after_a_kill"), timeout=300)
     assert execution_error(entry) is None, json.dumps(execution_error(entry), indent=1)
     assert (loras / "after_a_kill.safetensors").is_file() and not half.exists()
+
+
+# ---------------------------------------------------------------- issue 39
+
+def latents_of(server, save_name: str) -> list[torch.Tensor]:
+    from safetensors.torch import load_file
+    return [load_file(str(p))["value"] for p in cached(server, save_name, "latents")]
+
+
+@pytest.mark.parametrize("stored, shown", [("turned", "upright"), ("keyed", "flat")],
+                         ids=["orientation-anywhere", "transparent-colour"])
+def test_pictures_train_on_the_latents_of_the_pictures_they_show(server, stored, shown):
+    for dataset in (stored, shown):
+        entry = server.run(training(f"input/{dataset}", f"shown_{dataset}"), timeout=300)
+        assert execution_error(entry) is None, json.dumps(execution_error(entry), indent=1)
+    left = latents_of(server, f"shown_{shown}")
+    for tensor in latents_of(server, f"shown_{stored}"):
+        match = next((i for i, t in enumerate(left) if t.shape == tensor.shape and torch.equal(t, tensor)), None)
+        assert match is not None, (tuple(tensor.shape), [tuple(t.shape) for t in left])
+        left.pop(match)
+    assert not left
+
+
+def test_damaged_metadata_and_musubi_tuners_own_keys_are_said_in_the_log(server):
+    for dataset, save_name in (("input/damaged_meta", "damaged_meta"), ("input/musubi_own.toml", "musubi_own")):
+        entry = server.run(training(dataset, save_name), timeout=300)
+        assert execution_error(entry) is None, json.dumps(execution_error(entry), indent=1)
+    log = server.log()
+    damaged = server.input_dir.resolve() / "damaged_meta" / "cut_exif.jpg"
+    assert f"note: image {damaged} has damaged metadata (Corrupt EXIF data." in log, server.log_tail()
+    assert "UserWarning" not in log and "TiffImagePlugin" not in log, server.log_tail()
+    assert "cache_directory, debug_dataset change nothing in UGPUM" in log, server.log_tail()
+
+
+def test_a_save_the_system_refuses_is_one_sentence_saying_what_is_kept(server):
+    import subprocess
+    out = server.output_dir / "ugpum" / "read_only"
+    (out / "checkpoints").mkdir(parents=True)
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(out / "checkpoints")],
+                      capture_output=True).returncode:
+        pytest.skip("cannot mount a read-only tmpfs here")
+    try:
+        message = refusal(server, training("input/inside.toml", "read_only"), "3")
+    finally:
+        subprocess.run(["umount", "-l", str(out / "checkpoints")], capture_output=True)
+    assert message.startswith(f"LoRA Trainer: cannot write the checkpoint at step 1 (step_000001) in {out}/checkpoints: "
+                              "its disk is read-only now"), message
+    assert "kept: the LoRA of step 1 (read_only.safetensors); no checkpoint of this run is on disk" in message, message
+    assert (out / "read_only.safetensors").is_file() and not [p for p in out.rglob(".*") if p.name != ".ugpum_run.lock"]

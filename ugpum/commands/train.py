@@ -18,6 +18,7 @@ from ..placement.schedules import ALL_SETTINGS
 from ..compute.dtypes import TORCH_DTYPES
 from ..train.config import PROFILES, TrainConfig, load_config
 from ..folders import check_writable, dangling_link, too_long_name
+from ..startup import stops_while_starting
 from .bridge import comfy_bridge
 from .prog import printer
 from .errors import UsageError
@@ -118,6 +119,8 @@ def config_from_args(args) -> TrainConfig:
         source = f"profile {args.profile}" if args.profile else f"config {args.config}"
     elif args.resume:
         cfg, source = recorded_config(args.resume, _overrides(args)), f"the run in {args.resume}"
+        check_recorded_files(args.resume, {"dataset": None if args.dataset else cfg.dataset,
+                                           "model": None if args.model else cfg.model_file})
     else:
         raise UsageError("give --profile NAME or --config FILE.toml (" + ", ".join(PROFILES) + "), or --resume DIR "
                          "to continue a run")
@@ -164,6 +167,26 @@ def recorded_config(out: str, overrides: dict) -> TrainConfig:
     except TypeError as err:
         raise UsageError(f"--resume {out}: its checkpoint's settings do not fit this UGPUM ({err}); give the run's "
                          "--profile or --config as well") from None
+
+
+# what a run records of the files it was loaded from -> (what it is, the flag that gives its new place)
+RECORDED_FILES = {"dataset": ("dataset", "--dataset DIR"), "model": ("model file", "--model FILE"),
+                  "text_encoder": ("text encoder", "--text-encoder FILE"), "vae": ("VAE", "--vae FILE"),
+                  "models": ("models folder", "--models DIR"), "comfyui": ("ComfyUI", "--comfyui DIR")}
+
+
+def check_recorded_files(out: str, paths: dict) -> None:
+    """For `--resume DIR` alone: each file or folder the checkpoint records (`paths`: name -> recorded
+    path, None where the command line gives it again) must be there still; one that moved is named as
+    the checkpoint records it, with the flag that continues the run from its new place."""
+    from ..train.run.checkpoint import latest_checkpoint
+    for name, path in paths.items():
+        if path and not Path(path).exists():
+            what, flag = RECORDED_FILES[name]
+            checkpoint = latest_checkpoint(Path(out).expanduser())
+            raise UsageError(f"--resume {out}: the run's {what} {path}, as its checkpoint {checkpoint} records it, "
+                             f"is not there any more; if it moved, continue the run from its new place with "
+                             f"--resume {out} {flag}")
 
 
 def recorded_inputs(args) -> dict:
@@ -259,15 +282,16 @@ def run_training(cfg: TrainConfig, out: str | Path, files: ModelFiles | None = N
     `hooks` go to `ugpum.train.loop.train` (resume, log, inputs, ...); a `log` words the settings the
     run log marks (`prog.printer`)."""
     from ..train.loop import train
-    bridge = comfy_bridge()
-    import torch
     spec = spec or get_spec(cfg.model)
-    folder = bridge.comfyui_folder(comfyui) if comfyui is not None else bridge.find_comfyui_or_raise()
-    bridge.import_comfy(folder, cpu=not torch.cuda.is_available())
-    if files is not None:
-        cfg.model_file = str(files.dit)
-    encoders = build_encoders(cfg, files, bridge, spec)
-    model, key_prefix = build_model(cfg, bridge, spec)
+    with stops_while_starting():          # (the command line) ComfyUI's imports and the model: nothing written yet
+        bridge = comfy_bridge()
+        import torch
+        folder = bridge.comfyui_folder(comfyui) if comfyui is not None else bridge.find_comfyui_or_raise()
+        bridge.import_comfy(folder, cpu=not torch.cuda.is_available())
+        if files is not None:
+            cfg.model_file = str(files.dit)
+        encoders = build_encoders(cfg, files, bridge, spec)
+        model, key_prefix = build_model(cfg, bridge, spec)
     with bridge.comfy_training_mode():
         return train(cfg, out, model=model, encoders=encoders, key_prefix=key_prefix, spec=spec, **hooks)
 
@@ -332,6 +356,25 @@ def random_weights_note(cfg: TrainConfig, spec: ArchSpec) -> str | None:
 
 
 def run_train(args) -> int:
+    with stops_while_starting():          # (the command line) the checks and the files to load: nothing written yet
+        out, cfg, spec, files, comfyui, inputs = prepare_run(args)
+    if getattr(args, "distributed", False) or getattr(args, "data_parallel", 1) != 1:   # torchrun ... --distributed
+        from .train_distributed import run_train_distributed
+        return run_train_distributed(args, cfg, spec, out, files, build_model, build_encoders, comfyui, inputs)
+    from ..train.run.folder import RunFinished
+    try:
+        result = run_training(cfg, out, files, comfyui, spec, resume=bool(args.resume), overwrite=args.overwrite,
+                              inputs=inputs, log=printer("train"))
+    except RunFinished as finished:                  # not an error: the run is done
+        printer("train")(finished)
+        return 0
+    print(f"LoRA: {result.lora_path}")
+    return 0
+
+
+def prepare_run(args) -> tuple:
+    """(out, settings, model spec, model files, ComfyUI, inputs) of the run the flags ask for, each checked, before
+    anything is loaded or written."""
     if args.resume and args.out and Path(args.resume).resolve() != Path(args.out).resolve():
         raise UsageError(f"--resume {args.resume} continues the run in that folder; drop --out {args.out} "
                          "(a resumed run stays in its own folder)")
@@ -349,6 +392,8 @@ def run_train(args) -> int:
     spec = get_spec(cfg.model)                          # the one look-up: passed along from here
     check_devices(cfg, spec)                            # a real model without a GPU: said before any file
     recorded = recorded_inputs(args)
+    check_recorded_files(args.resume, {name: None if getattr(args, name) else recorded.get(name)
+                                       for name in ("text_encoder", "vae", "models", "comfyui")})
     models = args.models or recorded.get("models")
     given = {"text_encoder": args.text_encoder or recorded.get("text_encoder"),
              "vae": args.vae or recorded.get("vae")}
@@ -360,18 +405,7 @@ def run_train(args) -> int:
         print(note)
     inputs = {"models": _absolute(models), "comfyui": _absolute(args.comfyui or recorded.get("comfyui")),
               **({"text_encoder": _absolute(files.text_encoder), "vae": _absolute(files.vae)} if files else {})}
-    if getattr(args, "distributed", False) or getattr(args, "data_parallel", 1) != 1:   # torchrun ... --distributed
-        from .train_distributed import run_train_distributed
-        return run_train_distributed(args, cfg, spec, out, files, build_model, build_encoders, comfyui, inputs)
-    from ..train.run.folder import RunFinished
-    try:
-        result = run_training(cfg, out, files, comfyui, spec, resume=bool(args.resume), overwrite=args.overwrite,
-                              inputs=inputs, log=printer("train"))
-    except RunFinished as finished:                  # not an error: the run is done
-        printer("train")(finished)
-        return 0
-    print(f"LoRA: {result.lora_path}")
-    return 0
+    return out, cfg, spec, files, comfyui, inputs
 
 
 def _absolute(path) -> str | None:

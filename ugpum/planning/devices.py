@@ -16,13 +16,12 @@ import json
 import logging
 import os
 import re
-import tempfile
 import time
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Callable
 
-from ..formats.atomic import honour_umask
+from ..formats.atomic import remove_abandoned, write_json_atomic
 from ..wording import EngineError
 
 log = logging.getLogger(__name__)
@@ -598,17 +597,11 @@ def cached_matmul_tflops(device_name: str, measure: Callable[[], float]) -> floa
 
 
 def _write_json_atomically(path: Path, data: dict) -> None:
-    # Readers (another ComfyUI process) see the old file or the new one, never half of one.
+    # Readers (another ComfyUI process) see the old file or the new one, never half of one; what a killed
+    # writer left is cleared first.
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as out:
-            json.dump(data, out, indent=1, sort_keys=True)
-        honour_umask(tmp)                       # mkstemp makes 0600
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    remove_abandoned(path.parent)
+    write_json_atomic(path, dict(sorted(data.items())))
 
 
 def _timed_ms(index: int, work: Callable[[], None], repeats: int) -> float:

@@ -20,15 +20,15 @@ from .video import load_folder
 
 def load_items(cfg: TrainConfig, spec, log=print) -> list[ImageItem]:
     """The run's dataset for `spec`'s model, read; `log` hears of every folder holding pictures of a kind
-    it does not read."""
+    it does not read, and of every picture with damaged metadata."""
     path = Path(cfg.dataset)
     if cfg.dataset_root:                 # the nodes: checked again as it is read (a TOML may have changed)
         check_inside(path, cfg.dataset_root)
     if path.suffix == ".toml":
-        items = load_musubi_toml(path, cfg.trigger, spec, cfg.frames, cfg.frame_stride, cfg.resolution)
+        items = load_musubi_toml(path, cfg.trigger, spec, cfg.frames, cfg.frame_stride, cfg.resolution, log)
     else:
         items = load_folder(path, spec, frames=cfg.frames, stride=cfg.frame_stride,
-                            resolution=cfg.resolution, repeats=cfg.repeats, trigger=cfg.trigger)
+                            resolution=cfg.resolution, repeats=cfg.repeats, trigger=cfg.trigger, log=log)
     folders = {Path(i.path).parent for i in items} | {Path(i.path) for i in items if Path(i.path).is_dir()}
     for folder in sorted(folders):                 # the dataset's folders, and each clip's folder of frames
         skipped = skipped_pictures(folder)

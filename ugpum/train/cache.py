@@ -16,11 +16,11 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from ..arch import family_of
 from ..folders import check_writable
-from ..formats.atomic import atomic_path
+from ..formats.safetensors_writer import write_tensors
 from .dataset import ImageItem, load_bucketed_image
 from .encoders import Encoders
 from .video import ClipItem, content_digest, load_bucketed_clip
@@ -28,7 +28,7 @@ from .video import ClipItem, content_digest, load_bucketed_clip
 
 # How pictures are decoded (ugpum/train/pictures.py), in every latent's key: a change in decoding (2: high
 # bit depths scaled, transparency laid over white) makes new latents rather than reusing stale ones.
-PIXELS = b"pixels=2"
+PIXELS = b"pixels=3"
 # What a full disk during caching keeps (said in the DiskFull sentence).
 KEPT = "the features cached so far are kept (or set cache_dir to a folder on another disk)"
 
@@ -62,8 +62,7 @@ class FeatureCache:
         tensor = compute().detach().cpu().contiguous()
         path.parent.mkdir(parents=True, exist_ok=True)
         needed = tensor.numel() * tensor.element_size() + 1024
-        with atomic_path(path, needed=needed, kept=KEPT) as tmp:
-            save_file({"value": tensor}, str(tmp), metadata={"encoders": self.encoders.identity})
+        write_tensors(path, {"value": tensor}, {"encoders": self.encoders.identity}, needed=needed, kept=KEPT)
         self.misses += 1
         return tensor
 

@@ -29,7 +29,8 @@ from .divergence import check_step
 from .engine import Stepper
 from .errors import RunExists, TrainingError  # noqa: F401 (the engine's errors, importable from here)
 from .objective import validation_picks
-from .prepare import lr_factor, make_optimizer, plan_for, prepare_model  # noqa: F401 (bench, tests)
+from .prepare import make_optimizer, plan_for, prepare_model  # noqa: F401 (bench, tests)
+from .lr_schedule import lr_factor
 from .progress import Progress
 from .run.folder import OpenedRun, earlier_run, keep_metrics_until, open_run  # noqa: F401 (the nodes)
 from .run.lock import hold_run_folder

@@ -32,7 +32,9 @@ from .dataset import (DatasetError, ImageItem, Resolution, _check_bool, _check_c
 _COMMON_KEYS = {"caption_extension", "resolution", "batch_size", "num_repeats", "enable_bucket", "bucket_no_upscale"}
 _IMAGE_KEYS = {"image_directory"}
 _VIDEO_KEYS = {"video_directory", "target_frames", "frame_extraction", "source_fps"}
-_IGNORED_KEYS = {"cache_directory", "debug_dataset"}     # musubi-tuner's own cache and debug view
+# musubi-tuner's own cache and debug view: read, and said to have no effect here (`_said_ignored`)
+_IGNORED_KEYS = {"cache_directory": "musubi-tuner's latent cache (UGPUM caches features in the run's cache_dir)",
+                 "debug_dataset": "musubi-tuner's dataset viewer"}
 _REFUSED_KEYS = {
     "image_jsonl_file": "metadata JSONL files are not supported; use image_directory with caption files",
     "video_jsonl_file": "metadata JSONL files are not supported; use video_directory with caption files",
@@ -48,24 +50,35 @@ _DEFAULTS = {
 
 
 def _check_table_keys(table: dict, allowed: set[str], where: str) -> None:
+    """Refuse a key that `where` may not hold, naming it and why (musubi-tuner's own keys pass)."""
     for key in table:
         if key in _REFUSED_KEYS:
             raise DatasetError(f"{where}: {key!r}: {_REFUSED_KEYS[key]}")
         if key in _VIDEO_KEYS | _IMAGE_KEYS and key not in allowed:
             raise DatasetError(f"{where}: {key!r} belongs in each [[datasets]] table, not in [general]")
-        if key not in allowed | _IGNORED_KEYS:
+        if key not in allowed | _IGNORED_KEYS.keys():
             raise DatasetError(f"{where}: unknown key {key!r}; allowed keys are {', '.join(sorted(allowed))}")
 
 
+def _said_ignored(path: Path, general: dict, datasets: list[dict], log) -> None:
+    """musubi-tuner's own keys in the file: read, and said to change nothing here (never dropped unsaid)."""
+    found = sorted({key for table in (general, *datasets) for key in table if key in _IGNORED_KEYS})
+    if found:
+        what = "; ".join(f"{key}: {_IGNORED_KEYS[key]}" for key in found)
+        log(f"note: dataset config {path}: {', '.join(found)} {'change' if len(found) > 1 else 'changes'} nothing "
+            f"in UGPUM ({what}); the run trains as without {'them' if len(found) > 1 else 'it'}")
+
+
 def load_musubi_toml(path: Path | str, trigger: str = "", spec: ArchSpec | None = None, frames: int = 1,
-                     stride: int = 1, resolution: Resolution | None = None) -> list[ImageItem]:
+                     stride: int = 1, resolution: Resolution | None = None, log=print) -> list[ImageItem]:
     """Items of every [[datasets]] entry, in order. `spec`, `frames`, `stride` and `resolution` are
     the run's: clips need a model that takes them (None: images only); `frames` is the longest clip
     length allowed and target_frames' default; `stride` applies to video datasets without source_fps;
     no bucket may exceed `resolution`'s area (None: no limit). A relative directory is taken from the
-    TOML's folder."""
+    TOML's folder. `log` hears of musubi-tuner's own keys, which change nothing here."""
     path = Path(path)
     general, datasets = _read(path)
+    _said_ignored(path, general, datasets, log)
     items: list[ImageItem] = []
     for index, dataset in enumerate(datasets):
         where = f"dataset config {path} [[datasets]] #{index + 1}"
@@ -79,6 +92,7 @@ def load_musubi_toml(path: Path | str, trigger: str = "", spec: ArchSpec | None 
             enable_bucket=_check_bool(settings["enable_bucket"], "enable_bucket", where),
             bucket_no_upscale=_check_bool(settings["bucket_no_upscale"], "bucket_no_upscale", where),
             batch_size=_check_positive_int(settings["batch_size"], "batch_size", where),
+            log=log,
         )
         if common["batch_size"] != 1:
             raise DatasetError(f"{where}: batch_size = {common['batch_size']}: UGPUM takes the batch from the run "

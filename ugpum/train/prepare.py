@@ -3,7 +3,6 @@ trainable (8-bit base, in-place guard, compiled, recomputed blocks wrapped), the
 A setting an engine cannot honour is refused here, by name, before any weight is loaded."""
 from __future__ import annotations
 
-import math
 from typing import Callable
 
 import torch
@@ -21,6 +20,7 @@ from ..placement.place import place_by_plan
 from ..planning.plan import Plan, plan_training
 from ..placement.schedules import DISTRIBUTED_ONLY
 from .config import TrainConfig
+from .lr_schedule import lr_factor  # noqa: F401 (the loop's and the benches' import)
 from .errors import TrainingError
 from ..wording import setting
 from ..compute.lora import attach_lora, lora_targets
@@ -121,12 +121,3 @@ def make_optimizer(cfg: TrainConfig, params: list[torch.nn.Parameter]) -> torch.
             raise TrainingError("optimizer 'adamw8bit' needs bitsandbytes (pip install bitsandbytes)") from None
         return bnb.optim.AdamW8bit(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-
-
-def lr_factor(cfg: TrainConfig, step: int) -> float:
-    if step < cfg.warmup_steps:
-        return (step + 1) / cfg.warmup_steps
-    if cfg.lr_schedule == "cosine":
-        progress = (step - cfg.warmup_steps) / max(cfg.steps - cfg.warmup_steps, 1)
-        return 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
-    return 1.0

@@ -164,7 +164,7 @@ def _too_short(source: Path, count: int, frames: int, stride: int, settings: tup
 
 def first_frame_size(source: Path, frames: int, stride: int = 1,
                      settings: tuple[str, str] = ("frames", "the frame stride"),
-                     spec: ArchSpec | None = None) -> tuple[int, int]:
+                     spec: ArchSpec | None = None, log=print) -> tuple[int, int]:
     """The (width, height) of a clip's first frame, once the clip is known to hold the frames training
     takes. A frame folder is judged from its file names and its frames' headers (every frame taken must
     have the first one's size): its pixels are decoded once, for the latent. A video is decoded up to
@@ -175,9 +175,9 @@ def first_frame_size(source: Path, frames: int, stride: int = 1,
     needed = 1 + (frames - 1) * stride
     if len(paths) < needed:
         raise _too_short(source, len(paths), frames, stride, settings, spec)
-    size = image_size(paths[0])
+    size = image_size(paths[0], log)
     for p in paths[1:needed]:
-        other = image_size(p)
+        other = image_size(p, log)
         if other != size:
             raise DatasetError(f"frame folder {source}: {p.name} is {other[0]}x{other[1]}, the frames "
                                f"before it {size[0]}x{size[1]}; give every frame one size")
@@ -219,6 +219,7 @@ def load_clip_folder(
     repeats: int = 1,
     trigger: str = "",
     batch_size: int = 1,
+    log=print,
 ) -> list[ImageItem]:
     """Every clip (video file or frame folder) in `folder`, plus its loose images as single frames."""
     folder = Path(folder)
@@ -227,9 +228,9 @@ def load_clip_folder(
     if frames == 1 and folder_has_clips(folder):
         raise DatasetError(f"{where} holds clips ({list_clips(folder)[0].name}, ...) but frames is 1; set frames "
                            f"to {_clip_examples(spec)} to train on clips, or remove the clips to train on images")
-    items = clip_items(folder, spec, frames, stride, caption_ext, resolution, repeats, trigger, batch_size)
+    items = clip_items(folder, spec, frames, stride, caption_ext, resolution, repeats, trigger, batch_size, log=log)
     if list_pictures(folder):
-        items += load_image_folder(folder, caption_ext, resolution, repeats, trigger, batch_size=batch_size)
+        items += load_image_folder(folder, caption_ext, resolution, repeats, trigger, batch_size=batch_size, log=log)
     return items
 
 
@@ -246,6 +247,7 @@ def clip_items(
     enable_bucket: bool = True,
     bucket_no_upscale: bool = False,
     settings: tuple[str, str] = ("frames", "the frame stride"),
+    log=print,
 ) -> list[ClipItem]:
     """The clips (video files and frame folders) in `folder`, each giving its first `frames` frames.
 
@@ -267,14 +269,14 @@ def clip_items(
     for clip in clips:
         caption_path = clip.with_name(clip.stem + caption_ext) if clip.is_file() else clip.with_name(clip.name + caption_ext)
         caption = _with_trigger(caption_for(clip, caption_path, "clip"), trigger)
-        first = first_frame_size(clip, frames, stride, settings, spec)
+        first = first_frame_size(clip, frames, stride, settings, spec, log)
         bucket = fixed or bucket_for(first, resolution, bucket_no_upscale, f"clip {clip}")
         items.extend(ClipItem(clip, caption, bucket, batch_size, frames, stride) for _ in range(repeats))
     return items
 
 
 def load_folder(folder: Path | str, spec: ArchSpec, frames: int = 1, stride: int = 1, resolution: Resolution = 1024,
-                repeats: int = 1, trigger: str = "") -> list[ImageItem]:
+                repeats: int = 1, trigger: str = "", log=print) -> list[ImageItem]:
     """A dataset folder for `spec`'s model: clips (a family that takes them) when it holds any, else images."""
     folder = Path(folder)
     if folder_has_clips(folder):
@@ -283,8 +285,9 @@ def load_folder(folder: Path | str, spec: ArchSpec, frames: int = 1, stride: int
             raise DatasetError(f"dataset folder {folder} holds video clips ({clip.name}, ...), but "
                                f"{family_of(spec).title} models train on images only; train clips on a {takers}, "
                                "or use a folder of images")
-        return load_clip_folder(folder, spec, frames, stride, resolution=resolution, repeats=repeats, trigger=trigger)
-    return load_image_folder(folder, resolution=resolution, repeats=repeats, trigger=trigger)
+        return load_clip_folder(folder, spec, frames, stride, resolution=resolution, repeats=repeats, trigger=trigger,
+                                log=log)
+    return load_image_folder(folder, resolution=resolution, repeats=repeats, trigger=trigger, log=log)
 
 
 def _clip_examples(spec: ArchSpec) -> str:
