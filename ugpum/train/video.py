@@ -228,43 +228,42 @@ def load_clip_folder(
     if frames == 1 and folder_has_clips(folder):
         raise DatasetError(f"{where} holds clips ({list_clips(folder)[0].name}, ...) but frames is 1; set frames "
                            f"to {_clip_examples(spec)} to train on clips, or remove the clips to train on images")
-    items = clip_items(folder, spec, frames, stride, caption_ext, resolution, repeats, trigger, batch_size, log=log)
+    items = clip_items(folder, spec, frames, stride, caption_ext=caption_ext, resolution=resolution, repeats=repeats,
+                       trigger=trigger, batch_size=batch_size, log=log)
     if list_pictures(folder):
         items += load_image_folder(folder, caption_ext, resolution, repeats, trigger, batch_size=batch_size, log=log)
     return items
 
 
-def clip_items(
-    folder: Path,
-    spec: ArchSpec,
-    frames: int,
-    stride: int = 1,
-    caption_ext: str = ".txt",
-    resolution: Resolution = 640,
-    repeats: int = 1,
-    trigger: str = "",
-    batch_size: int = 1,
-    enable_bucket: bool = True,
-    bucket_no_upscale: bool = False,
-    settings: tuple[str, str] = ("frames", "the frame stride"),
-    log=print,
-) -> list[ClipItem]:
-    """The clips (video files and frame folders) in `folder`, each giving its first `frames` frames.
+# What a dataset folder of clips takes beside its frames: load_image_folder's settings, with their defaults
+FOLDER_SETTINGS = dict(caption_ext=".txt", resolution=640, repeats=1, trigger="", batch_size=1, enable_bucket=True,
+                       bucket_no_upscale=False, log=print)
+
+
+def clip_items(folder: Path, spec: ArchSpec, frames: int, stride: int = 1,
+               settings: tuple[str, str] = ("frames", "the frame stride"), **folder_settings) -> list[ClipItem]:
+    """The clips (video files and frame folders) in `folder`, each giving its first `frames` frames;
+    `folder_settings`: any of FOLDER_SETTINGS (caption_ext, resolution, ... as load_image_folder takes them).
 
     A clip's caption is the same-stem caption file beside it (`walk.mp4` / `walk/` -> `walk.txt`).
     Each clip is read up to the frames it needs now, so a short or broken clip is reported before
     any training work starts. Its bucket is chosen from its first frame like an image's (or, without
-    bucketing, `resolution` exactly).
+    bucketing, `resolution` exactly). `settings` names the frames and stride settings in messages.
     """
+    unknown = set(folder_settings) - set(FOLDER_SETTINGS)
+    if unknown:
+        raise TypeError(f"clip_items: no setting {', '.join(sorted(unknown))}")
+    f = {**FOLDER_SETTINGS, **folder_settings}
+    trigger, bucket_no_upscale, log = f["trigger"], f["bucket_no_upscale"], f["log"]
     where, caption_ext, resolution, repeats, batch_size = checked_folder_settings(
-        folder, caption_ext, resolution, repeats, batch_size)
+        folder, f["caption_ext"], f["resolution"], f["repeats"], f["batch_size"])
     frames = check_frames(frames, where, spec)
     stride = _check_positive_int(stride, "frame stride", where)
     clips = list_clips(folder)
     if not clips:
         raise DatasetError(f"{where} holds no clips ({', '.join(VIDEO_EXTENSIONS)} files or folders of "
                            "numbered frames); put the training clips there")
-    fixed = None if enable_bucket else fixed_bucket(resolution, where)
+    fixed = None if f["enable_bucket"] else fixed_bucket(resolution, where)
     items: list[ClipItem] = []
     for clip in clips:
         caption_path = clip.with_name(clip.stem + caption_ext) if clip.is_file() else clip.with_name(clip.name + caption_ext)
