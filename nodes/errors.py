@@ -9,7 +9,7 @@ import contextlib
 import errno
 import re
 
-from ugpum.arch import UnknownModel
+from ugpum.arch import UnknownModel, family_titles
 from ugpum.planning.devices import DeviceError
 from ugpum.formats.safetensors_header import HeaderError
 from ugpum.wording import EngineError, for_nodes
@@ -46,7 +46,7 @@ def user_message(exc: BaseException, file_name: str | None = None) -> str | None
         return _sentence(f"Cannot read {what}: {_without_path(str(exc))}; pick a .safetensors diffusion model")
     if isinstance(exc, UnknownModel):
         return _sentence(f"{what} is not a diffusion model UGPUM can train "
-                         f"({_without_path(str(exc))}); it supports FLUX.2 [klein]/[dev] and Wan 2.1")
+                         f"({_without_path(str(exc))}); it supports {family_titles(' and ')}")
     if isinstance(exc, DeviceError):              # devices are typed in the Loader's devices field
         return _sentence(f"{exc} (the UGPUM Loader's devices field)")
     if isinstance(exc, EngineError):              # the engine's own sentence (a full disk: space needed and free)

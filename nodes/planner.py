@@ -5,7 +5,7 @@ from __future__ import annotations
 from comfy_api.latest import io, ui
 
 from ugpum.arch.base import RECOMPUTE_SETTINGS
-from ugpum.compute.base_compute import SETTINGS as BASE_COMPUTE_SETTINGS
+from ugpum.compute.modes import EXACT, SETTINGS as BASE_COMPUTE_SETTINGS
 from ugpum.planning.devices import resolve_devices
 from ugpum.compute.dtypes import training_dtype
 from ugpum.planning.forecast import format_plan, plan_for_config
@@ -89,7 +89,7 @@ class PartitionPlanner(io.ComfyNode):
                 io.String.Input("manual_split", default="", optional=True, display_name="manual split",
                                 tooltip="Optional: blocks per device in device order, e.g. '14, 18'. "
                                         "Empty: the planner chooses."),
-                io.Combo.Input("base_compute", options=list(BASE_COMPUTE_SETTINGS), default="bf16", optional=True,
+                io.Combo.Input("base_compute", options=list(BASE_COMPUTE_SETTINGS), default=EXACT.name, optional=True,
                                display_name="base compute",
                                tooltip="Precision of the frozen base weights' matmuls: bf16, or 8-bit (fp8 on "
                                        "RTX 40/50 and H100/H200, int8 on RTX 30) with 1 byte a weight on the GPUs; "

@@ -14,6 +14,7 @@ import torch
 from comfy_api.latest import io, ui
 from PIL import Image
 
+from ugpum.arch import FAMILIES, family_of
 from ugpum.planning.devices import CPU_TRAINABLE_PARAMS
 from ugpum.diffusion.flow import TIMESTEP_METHODS
 from ugpum.train.dataset import IMAGE_EXTENSIONS, resolve_inside
@@ -112,13 +113,19 @@ def make_encoders(model: UGPUMModel, clip, vae, devices=None):
     A text encoder too large for the first GPU is split over `devices` while captions are cached."""
     if clip is not None and vae is not None:
         from .comfy_glue import ComfyEncoders
-        return ComfyEncoders(clip, vae, model.family, devices=devices)
+        return ComfyEncoders(clip, vae, model.spec, devices=devices)
     if model.spec.params <= CPU_TRAINABLE_PARAMS:
         from ugpum.train.encoders import StandInEncoders
         return StandInEncoders(model.spec)
     missing = " and ".join(n for n, v in (("clip", clip), ("vae", vae)) if v is None)
-    raise UGPUMError(f"{NODE}: connect the {missing} input(s): a CLIPLoader (type {model.family}) and a "
-                     f"VAELoader with the {model.family.upper()} files.")
+    family = family_of(model.spec)
+    raise UGPUMError(f"{NODE}: connect the {missing} input(s): a CLIPLoader (type {family.comfy.clip_type.lower()}) "
+                     f"and a VAELoader with the {family.title} files.")
+
+
+def clip_loader_types() -> str:
+    """The stock CLIPLoader's type for each family: "type flux2 for FLUX.2, type wan for Wan 2.1"."""
+    return ", ".join(f"type {f.comfy.clip_type.lower()} for {f.title}" for f in FAMILIES)
 
 
 def make_config(model: UGPUMModel, plan: UGPUMPlan, dataset: Path, trigger_word: str, steps: int,
@@ -201,8 +208,8 @@ class LoRATrainer(io.ComfyNode):
                                 tooltip="File name in models/loras/ugpum/. A name an earlier run took is refused: "
                                         "give a new one, or turn on resume to continue that run."),
                 io.Clip.Input("clip", optional=True,
-                              tooltip="The model's text encoder (CLIPLoader, type flux2 for FLUX.2, wan for "
-                                      "Wan 2.1). Needed for every real model."),
+                              tooltip=f"The model's text encoder (CLIPLoader, {clip_loader_types()}). Needed for "
+                                      "every real model."),
                 io.Vae.Input("vae", optional=True, tooltip="The model's VAE (FLUX.2 VAE for FLUX.2)."),
                 io.Int.Input("frame_stride", default=1, min=1, max=16, optional=True, display_name="frame stride",
                              tooltip="Wan clips: take every Nth frame from a clip's start (2: half the frame "
@@ -231,6 +238,17 @@ class LoRATrainer(io.ComfyNode):
                                 tooltip="The sample prompt before and after training, side by side."),
             ],
         )
+
+    @classmethod
+    def validate_inputs(cls, dataset: str, save_name: str) -> bool | str:
+        """Before the graph runs (nothing loaded, nothing planned): the dataset is one of the list and still
+        there, and the save name can be a file name (ComfyUI shows the sentence at both inputs)."""
+        try:
+            dataset_path(dataset)
+            lora_save_path(save_name)
+        except UGPUMError as error:
+            return str(error)
+        return True
 
     @classmethod
     def execute(cls, model: UGPUMModel, plan: UGPUMPlan, dataset: str, trigger_word: str, steps: int,
@@ -281,7 +299,7 @@ class LoRATrainer(io.ComfyNode):
                 hooks["on_sample"] = lambda step, image: bar.update_absolute(     # live preview on the node
                     step, steps, preview=("JPEG", image.convert("RGB"), 512))
                 result = train(cfg, out, encoders=encoders, model=module, key_prefix=model.key_prefix,
-                               plan=plan.plan, resume=resumed, **hooks)
+                               plan=plan.plan, resume=resumed, spec=model.spec, **hooks)
         finally:
             encoders = module = None
             return_memory()

@@ -20,7 +20,7 @@ LORA_MODEL = io.Custom("LORA_MODEL")   # the stock LoRA dict (name -> tensor) Lo
 @dataclass(frozen=True)
 class UGPUMModel:
     """A DiT checkpoint known from its header alone; its weights are placed later, by a plan."""
-    family: str                 # "flux2" or "wan"
+    family: str                 # ArchSpec.family: "flux2", "wan", ...
     model_id: str               # ArchSpec id, e.g. "flux2-klein-base-9b"
     title: str                  # e.g. "Flux.2-klein-base-9b" (modelspec architecture prefix)
     path: str                   # absolute path of the .safetensors file

@@ -17,6 +17,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from ugpum.compute.modes import mode_named  # noqa: E402
 from ugpum.planning.devices import parse_device_specs  # noqa: E402
 from ugpum.planning.forecast import plan_for_config  # noqa: E402
 from ugpum.planning.plan import PlanError  # noqa: E402
@@ -46,10 +47,11 @@ def cell(profile: str, overrides: dict, gpus: list[str]) -> str:
         plan = plan_for_config(load_config(profile, overrides=overrides), parse_device_specs(gpus, probe=False))
     except PlanError:
         return "does not fit"
-    eight_bit = f", {plan.base_compute}" if plan.base_compute != "bf16" and overrides.get("base_compute") else ""
+    quantised = mode_named(plan.base_compute).quantises and overrides.get("base_compute")
+    mode = f", {plan.base_compute}" if quantised else ""
     if plan.offloaded_blocks:
-        return f"{plan.predicted_step_s:.1f} s, swap {len(plan.offloaded_blocks)}{eight_bit}"
-    return f"{plan.predicted_step_s:.1f} s, {max(s.forecast_gib for s in plan.stages):.1f} GiB{eight_bit}"
+        return f"{plan.predicted_step_s:.1f} s, swap {len(plan.offloaded_blocks)}{mode}"
+    return f"{plan.predicted_step_s:.1f} s, {max(s.forecast_gib for s in plan.stages):.1f} GiB{mode}"
 
 
 @functools.cache

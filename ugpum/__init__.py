@@ -11,18 +11,18 @@ What a library user calls:
 Every error raised on purpose is an `EngineError`; messages mark the settings they advise, which
 `ugpum.wording.plain` words as the settings' names (`log=lambda text: print(plain(text))`).
 """
-from .startup import stops_while_starting as _stops_while_starting
+from .startup import hold_stops as _hold_stops
 
-with _stops_while_starting():       # the command line's imports: a stop is one sentence (ugpum/startup.py)
-    from .arch import UnknownModel, Workload, get_spec, recognise
-    from .planning.devices import Device, DeviceError, parse_device_specs, resolve_devices
-    from .planning.forecast import format_plan
-    from .placement.place import place, place_by_plan
-    from .planning.plan import Plan, PlanError, make_plan, plan_training
-    from .train.config import ConfigError, TrainConfig, load_config
-    from .train.loop import TrainResult, train
-    from .compute.lora import attach_lora
-    from .wording import EngineError
+_hold_stops()       # the command line's start-up: a stop is one sentence until its work begins (ugpum/startup.py)
+from .arch import UnknownModel, Workload, get_spec, recognise  # noqa: E402
+from .planning.devices import Device, DeviceError, parse_device_specs, resolve_devices  # noqa: E402
+from .planning.forecast import format_plan  # noqa: E402
+from .placement.place import place, place_by_plan  # noqa: E402
+from .planning.plan import Plan, PlanError, make_plan, plan_training  # noqa: E402
+from .train.config import ConfigError, TrainConfig, load_config  # noqa: E402
+from .train.loop import TrainResult, train  # noqa: E402
+from .compute.lora import attach_lora  # noqa: E402
+from .wording import EngineError  # noqa: E402
 
 __all__ = ["ConfigError", "Device", "DeviceError", "EngineError", "Plan", "PlanError", "TrainConfig", "TrainResult",
            "UnknownModel", "Workload", "attach_lora", "format_plan", "get_spec", "load_config", "make_plan", "parse_device_specs",

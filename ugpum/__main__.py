@@ -1,8 +1,8 @@
 import sys
 
-from .startup import stops_while_starting
+from .startup import hold_stops
 
-with stops_while_starting(command_line=True):      # the verbs' imports: a stop is one sentence
-    from .commands import main
+hold_stops(command_line=True)           # (held since the package's import: the verbs' imports stop in one sentence)
+from .commands import main  # noqa: E402
 
 sys.exit(main())

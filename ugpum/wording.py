@@ -45,7 +45,7 @@ _FLAGS = {
              "distributed": "--distributed"},
     "train": {"batch": "--batch", "base_compute": "--base-compute", "grad_accum": "--grad-accum",
               "frames": "--frames", "schedule": "--schedule", "steps": "--steps", "compile": "--compile",
-              "devices": "--devices",
+              "devices": "--devices", "dataset": "--dataset", "model_file": "--model",
               "resume": "--resume", "overwrite": "--overwrite", "distributed": "--distributed"},
     "demo": {"steps": "--steps"},
 }
@@ -58,7 +58,8 @@ _NODE_INPUTS = {"weight_dtype": ("weight_dtype", "UGPUM Loader"), "devices": ("d
                 "rank": ("LoRA rank", "Partition Planner"), "recompute": ("recompute", "Partition Planner"),
                 "frames": ("frames", "Partition Planner"), "schedule": ("schedule", "Partition Planner"),
                 "base_compute": ("base compute", "Partition Planner"), "steps": ("steps", "LoRA Trainer"),
-                "compile": ("compile", "LoRA Trainer")}
+                "compile": ("compile", "LoRA Trainer"), "dataset": ("dataset", "LoRA Trainer"),
+                "model_file": ("dit_name", "UGPUM Loader")}
 # What the nodes say for a setting they hold otherwise, or not at all (the same with a value or without,
 # unless a pair: (without a value, with one)).
 _NODE_WORDS = {
@@ -117,3 +118,15 @@ def quoted(value: object, limit: int = 300) -> str:
         return text
     size = f"{len(value):,} characters" if isinstance(value, str) else f"{len(text):,} characters as written"
     return f"{text[:limit]}... ({size})"
+
+
+def cut_values(text: str, values, limit: int = 300) -> str:
+    """`text` with each of `values` (what the user gave: command-line arguments) longer than `limit` cut
+    where it appears, as it is or as its repr shows it, the way `quoted` cuts: a message never repeats
+    a 10 MB input back, whichever message quotes it."""
+    for value in sorted({v for v in values if isinstance(v, str) and len(v) > limit}, key=len, reverse=True):
+        cut = f"{value[:limit]}... ({len(value):,} characters)"
+        for shown in dict.fromkeys((value, repr(value)[1:-1])):
+            if shown in text:
+                text = text.replace(shown, cut)
+    return text

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from comfy_bridge import find_comfyui
 from support import comfy_models as cm
 from ugpum.planning import devices as ugpum_devices
-from ugpum.compute.base_compute import use_8bit_base
+from ugpum.compute.base_compute import use_base_compute
 from ugpum.compute.recompute import recompute_blocks
 from ugpum.compute.inplace_guard import guard_inplace_residuals
 from ugpum.compute.lora import attach_lora
@@ -110,7 +110,7 @@ def test_emulated_int8_base_with_mixed_checkpointing_gives_the_same_gradients(co
         for _, a in lora.items():
             a.B.normal_(0.0, 0.1, generator=torch.Generator().manual_seed(5))
     said = []
-    use_8bit_base(model, targets, "int8", said.append, emulate=True)
+    use_base_compute(model, targets, "int8", said.append, emulate=True)
     guard_inplace_residuals(model, include_rms=False)
     inputs = cm.flux2_inputs(model, height_latent=4, width_latent=4)
     weights = None

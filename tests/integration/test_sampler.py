@@ -1,4 +1,5 @@
-"""ugpum.diffusion.flow_sampler against ComfyUI's own sampling (FLUX.2, Wan 2.1), and on its own.
+"""ugpum.diffusion.flow_sampler with the families' schedules and model functions (ugpum/arch/<family>/sampler.py)
+against ComfyUI's own sampling (FLUX.2, Wan 2.1), and on its own.
 
 What is compared with a ComfyUI present (packaged copy by default, or COMFYUI_PATH):
 
@@ -31,6 +32,8 @@ import pytest
 import torch
 
 from support import comfy_models as cm
+from ugpum.arch.flux2 import sampler as FLUX2
+from ugpum.arch.wan import sampler as WAN
 from ugpum.diffusion import flow_sampler as S
 from ugpum.diffusion.flow import flux2_mu
 
@@ -43,11 +46,11 @@ F64 = torch.float64
 
 def _all_schedules(steps):
     return {
-        "flux2 1024^2": S.flux2_sigmas(steps, 4096),
-        "flux2 256^2": S.flux2_sigmas(steps, 256),
-        "flux2 simple": S.flux2_sigmas(steps, schedule="simple"),
-        "wan": S.wan_sigmas(steps),
-        "wan shift 1": S.wan_sigmas(steps, shift=1.0),
+        "flux2 1024^2": FLUX2.flux2_sigmas(steps, 4096),
+        "flux2 256^2": FLUX2.flux2_sigmas(steps, 256),
+        "flux2 simple": FLUX2.flux2_sigmas(steps, schedule="simple"),
+        "wan": WAN.wan_sigmas(steps),
+        "wan shift 1": WAN.wan_sigmas(steps, shift=1.0),
     }
 
 
@@ -62,32 +65,32 @@ def test_schedules_start_at_one_end_at_zero_and_decrease(steps):
 
 
 def test_shift_one_is_the_plain_linear_schedule():
-    assert torch.equal(S.wan_sigmas(4, shift=1.0), torch.tensor([1.0, 0.75, 0.5, 0.25, 0.0]))
-    assert torch.allclose(S.flux2_sigmas(4, mu=0.0), torch.tensor([1.0, 0.75, 0.5, 0.25, 0.0]))
+    assert torch.equal(WAN.wan_sigmas(4, shift=1.0), torch.tensor([1.0, 0.75, 0.5, 0.25, 0.0]))
+    assert torch.allclose(FLUX2.flux2_sigmas(4, mu=0.0), torch.tensor([1.0, 0.75, 0.5, 0.25, 0.0]))
 
 
 def test_shift_moves_steps_towards_high_noise():
     steps = 10
-    linear = S.wan_sigmas(steps, shift=1.0)
+    linear = WAN.wan_sigmas(steps, shift=1.0)
     prev = linear
     for shift in (2.0, 5.0, 8.0):  # larger shift: every inner sigma higher
-        s = S.wan_sigmas(steps, shift=shift)
+        s = WAN.wan_sigmas(steps, shift=shift)
         assert bool((s[1:-1] > prev[1:-1]).all()), shift
         prev = s
-    wan = S.wan_sigmas(steps)
+    wan = WAN.wan_sigmas(steps)
     assert (wan[1:-1] > 0.5).sum() > (linear[1:-1] > 0.5).sum()
     # FLUX.2: more image tokens -> larger mu -> more of the steps spent at high noise
-    small, big = S.flux2_sigmas(steps, 256), S.flux2_sigmas(steps, 4096)
+    small, big = FLUX2.flux2_sigmas(steps, 256), FLUX2.flux2_sigmas(steps, 4096)
     assert flux2_mu(4096, steps) > flux2_mu(256, steps) > 0
     assert bool((small[1:-1] > linear[1:-1]).all()) and bool((big[1:-1] > small[1:-1]).all())
     # the model's own fixed shift (mu 2.02, factor e^2.02) equals the flow shift with that factor
     t = torch.linspace(1, 0, steps + 1, dtype=F64)[:-1]
-    assert torch.allclose(S.flux_time_shift(t, 2.02), math.exp(2.02) * t / (1 + (math.exp(2.02) - 1) * t))
+    assert torch.allclose(FLUX2.flux_time_shift(t, 2.02), math.exp(2.02) * t / (1 + (math.exp(2.02) - 1) * t))
 
 
 def test_flux2_model_shift_is_the_1024_50_step_flux2_schedule_shift():
     # ComfyUI's fixed FLUX.2 shift 2.02 is the resolution-dependent mu at 1024^2, 50 steps
-    assert abs(flux2_mu(4096, 50) - S.FLUX2_SHIFT_MU) < 5e-3
+    assert abs(flux2_mu(4096, 50) - FLUX2.FLUX2_SHIFT_MU) < 5e-3
 
 
 def test_euler_lands_on_the_data_point_for_an_exact_velocity():
@@ -98,7 +101,7 @@ def test_euler_lands_on_the_data_point_for_an_exact_velocity():
     noise = torch.randn(2, 3, 4, 4, generator=g, dtype=F64)
     ctx = torch.zeros(2, 1, 1, dtype=F64)
     fn = lambda x, s, c: (x - x0) / s.view(-1, 1, 1, 1)  # noqa: E731
-    for sig in (S.wan_sigmas(5), S.flux2_sigmas(3, 1024), S.flux2_sigmas(1, schedule="simple")):
+    for sig in (WAN.wan_sigmas(5), FLUX2.flux2_sigmas(3, 1024), FLUX2.flux2_sigmas(1, schedule="simple")):
         out = S.sample(fn, noise, ctx, sigmas=sig)
         assert torch.allclose(out, x0, atol=1e-12), sig
 
@@ -113,7 +116,7 @@ def test_cfg_mix_and_cfg_one_skips_the_negative_pass():
 
     noise = torch.zeros(1, 2, 2, 2, dtype=F64)
     pos, neg = torch.full((1, 1, 1), a, dtype=F64), torch.full((1, 1, 1), b, dtype=F64)
-    sig = S.wan_sigmas(4)
+    sig = WAN.wan_sigmas(4)
     out = S.sample(fn, noise, pos, neg, sigmas=sig, cfg=3.0)
     assert torch.allclose(out, torch.full_like(out, -(b + 3.0 * (a - b))))  # sum of dt = -1
     assert calls.count(b) == 4
@@ -126,7 +129,7 @@ def test_sample_keeps_float32_state_for_low_precision_noise_and_reports_steps():
     seen = []
     noise = S.comfy_noise((1, 2, 2, 2), seed=3, dtype=torch.bfloat16)
     out = S.sample(lambda x, s, c: torch.zeros_like(x), noise, torch.zeros(1, 1, 1),
-                   sigmas=S.wan_sigmas(3), callback=lambda i, sg, x: seen.append((i, sg)))
+                   sigmas=WAN.wan_sigmas(3), callback=lambda i, sg, x: seen.append((i, sg)))
     assert out.dtype == torch.float32 and [i for i, _ in seen] == [0, 1, 2] and seen[0][1] == 1.0
 
 
@@ -142,21 +145,21 @@ def test_errors():
     ctx = torch.zeros(1, 1, 1)
     fn = lambda x, s, c: x  # noqa: E731
     with pytest.raises(ValueError, match="negative"):
-        S.sample(fn, torch.zeros(1, 1), ctx, sigmas=S.wan_sigmas(2), cfg=4.0)
+        S.sample(fn, torch.zeros(1, 1), ctx, sigmas=WAN.wan_sigmas(2), cfg=4.0)
     with pytest.raises(ValueError, match="sigmas or steps"):
         S.sample(fn, torch.zeros(1, 1), ctx)
     with pytest.raises(ValueError, match="no default schedule"):
         S.sample(fn, torch.zeros(1, 1), ctx, steps=4)
     with pytest.raises(ValueError, match="image_seq_len"):
-        S.flux2_sigmas(4)
+        FLUX2.flux2_sigmas(4)
     with pytest.raises(ValueError, match="steps"):
-        S.wan_sigmas(0)
+        WAN.wan_sigmas(0)
     with pytest.raises(ValueError, match="schedule"):
-        S.flux2_sigmas(4, 16, schedule="karras")
+        FLUX2.flux2_sigmas(4, 16, schedule="karras")
 
 
 def test_defaults_table():
-    d = S.SAMPLING_DEFAULTS
+    d = FLUX2.SAMPLING_DEFAULTS
     assert (d["flux2-klein"].steps, d["flux2-klein"].cfg) == (4, 1.0)
     assert d["flux2-klein-base"].cfg > 1 and d["flux2-klein-base"].steps >= 28
     assert d["flux2-dev"].cfg == 1.0 and d["flux2-dev"].guidance == 4.0
@@ -221,18 +224,18 @@ def _cond(ctx, guidance=None):
 def test_sigmas_bit_identical_to_comfyui(comfy):
     flux_ms = _model_base(comfy, "flux2", _tiny_flux2()).model_sampling
     wan_ms = _model_base(comfy, "wan", _tiny_wan()).model_sampling
-    assert isinstance(flux_ms, comfy.model_sampling.ModelSamplingFlux) and flux_ms.shift == S.FLUX2_SHIFT_MU
+    assert isinstance(flux_ms, comfy.model_sampling.ModelSamplingFlux) and flux_ms.shift == FLUX2.FLUX2_SHIFT_MU
     assert isinstance(wan_ms, comfy.model_sampling.ModelSamplingDiscreteFlow)
-    assert (wan_ms.shift, wan_ms.multiplier) == (S.WAN21_SHIFT, S.WAN21_MULTIPLIER)
+    assert (wan_ms.shift, wan_ms.multiplier) == (WAN.WAN21_SHIFT, WAN.WAN21_MULTIPLIER)
     for steps in list(range(1, 101)) + [150, 333, 1000]:
         assert torch.equal(comfy.samplers.calculate_sigmas(flux_ms, "simple", steps),
-                           S.flux2_sigmas(steps, schedule="simple")), steps
-        assert torch.equal(comfy.samplers.calculate_sigmas(wan_ms, "simple", steps), S.wan_sigmas(steps)), steps
+                           FLUX2.flux2_sigmas(steps, schedule="simple")), steps
+        assert torch.equal(comfy.samplers.calculate_sigmas(wan_ms, "simple", steps), WAN.wan_sigmas(steps)), steps
     import comfy_extras.nodes_flux as nodes_flux
     for steps in (1, 4, 20, 28, 50, 100):
         for w, h in ((64, 64), (512, 512), (768, 512), (1024, 1024), (1360, 768), (2048, 2048)):
             theirs = nodes_flux.Flux2Scheduler.execute(steps, w, h).args[0]
-            ours = S.flux2_sigmas(steps, (h // 16) * (w // 16))
+            ours = FLUX2.flux2_sigmas(steps, (h // 16) * (w // 16))
             assert theirs.dtype == ours.dtype and torch.equal(theirs, ours), (steps, w, h)
 
 
@@ -261,7 +264,7 @@ def test_flux2_matches_comfyui_ksampler(comfy, case):
         sigmas = nodes_flux.Flux2Scheduler.execute(steps, 6 * 16, 4 * 16).args[0]
     theirs = ks.sample(noise.clone(), _cond(pos, guidance), _cond(neg, guidance), cfg=cfg,
                        latent_image=torch.zeros_like(noise), sigmas=sigmas, disable_pbar=True, seed=0)
-    fn = S.flux2_model_fn(dm, guidance=guidance, schedule=schedule)
+    fn = FLUX2.flux2_model_fn(dm, guidance=guidance, schedule=schedule)
     ours = S.sample(fn, noise, pos, neg if cfg != 1 else None, steps=steps, cfg=cfg)
     ours = base.latent_format.process_out(ours)  # identity for FLUX.2
     assert ours.dtype == theirs.dtype == torch.float32
@@ -281,7 +284,7 @@ def test_wan_matches_comfyui_ksampler(comfy):
                                  sampler="euler", scheduler="simple", model_options={})
     theirs = ks.sample(noise.clone(), _cond(pos), _cond(neg), cfg=cfg,
                        latent_image=torch.zeros_like(noise), disable_pbar=True, seed=0)
-    ours = S.sample(S.wan_model_fn(dm), noise, pos, neg, steps=steps, cfg=cfg)
+    ours = S.sample(WAN.wan_model_fn(dm), noise, pos, neg, steps=steps, cfg=cfg)
     ours = base.latent_format.process_out(ours)  # KSampler returns process_latent_out(x)
     assert theirs.abs().max() > 0.1
     torch.testing.assert_close(ours, theirs, rtol=2e-5, atol=2e-5)
@@ -326,18 +329,18 @@ def test_float64_euler_cfg_timestep_match_comfyui(comfy):
     neg = torch.randn(1, 3, dm.params.context_in_dim, generator=g, dtype=F64)
     sig = comfy.samplers.calculate_sigmas(base.model_sampling, "simple", 3)
     theirs = _comfy_float64_reference(comfy, base, noise, sig, pos, neg.expand(2, -1, -1), 4.0)
-    ours = S.sample(S.flux2_model_fn(dm, schedule="simple"), noise, pos, neg, steps=3, cfg=4.0)
+    ours = S.sample(FLUX2.flux2_model_fn(dm, schedule="simple"), noise, pos, neg, steps=3, cfg=4.0)
     assert ours.dtype == F64
     torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-12)
     # FLUX.2 dev: guidance embedder, no CFG
     dm = _tiny_flux2(guidance=True, seed=1)
     base = _model_base(comfy, "flux2", dm)
     theirs = _comfy_float64_reference(comfy, base, noise, sig, pos, None, 1.0, guidance=4.0)
-    fn = S.flux2_model_fn(dm, schedule="simple")  # guidance 4 by default for dev
+    fn = FLUX2.flux2_model_fn(dm, schedule="simple")  # guidance 4 by default for dev
     ours = S.sample(fn, noise, pos, steps=3)
     torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-12)
     half = torch.full((2,), 0.5, dtype=F64)
-    v2 = S.flux2_model_fn(dm, guidance=2.0)(noise, half, pos)
+    v2 = FLUX2.flux2_model_fn(dm, guidance=2.0)(noise, half, pos)
     assert (v2 - fn(noise, half, pos)).abs().max() > 1e-6  # guidance reaches the model
     # Wan 2.1 with CFG: timestep = 1000 sigma, shift 8
     dm = _tiny_wan()
@@ -347,5 +350,5 @@ def test_float64_euler_cfg_timestep_match_comfyui(comfy):
     neg = torch.randn(1, 6, dm.text_dim, generator=g, dtype=F64)
     sig = comfy.samplers.calculate_sigmas(base.model_sampling, "simple", 4)
     theirs = _comfy_float64_reference(comfy, base, noise, sig, pos, neg, 6.0)
-    ours = S.sample(S.wan_model_fn(dm), noise, pos, neg, steps=4, cfg=6.0)
+    ours = S.sample(WAN.wan_model_fn(dm), noise, pos, neg, steps=4, cfg=6.0)
     torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-12)

@@ -22,6 +22,7 @@ from ugpum.train.video import ClipItem, load_bucketed_clip, load_clip_folder, lo
 av = pytest.importorskip("av")
 needs_comfy = pytest.mark.skipif(find_comfyui() is None, reason="needs ComfyUI's model classes")
 QUIET = dict(log=lambda *a: None)
+WAN, FLUX2 = get_spec("tiny-wan"), get_spec("tiny-flux2")
 SIZE = (80, 48)                                   # width, height: a 5:3 clip, bucket (80, 48) at 64
 
 
@@ -88,7 +89,7 @@ def test_a_clip_becomes_frames_by_3_by_bucket(tmp_path):
 
 def test_demo_clip_set_is_a_480p_clip_dataset():
     demo = Path(__file__).resolve().parents[2] / "demo_datasets" / "loranne_clips"
-    items = load_clip_folder(demo, frames=33, resolution=640, trigger="loranne")
+    items = load_clip_folder(demo, WAN, frames=33, resolution=640, trigger="loranne")
     assert len(items) == 10 and all(isinstance(i, ClipItem) for i in items)
     assert {i.bucket for i in items} == {(832, 480)}
     assert all(i.caption.startswith("loranne, ") and "the camera slowly" in i.caption for i in items)
@@ -101,15 +102,15 @@ def test_short_clip_names_the_file_its_length_and_the_fix(tmp_path):
     write_clip(tmp_path / "short.mp4", 10)
     with pytest.raises(DatasetError, match=r"short\.mp4 has 10 frame\(s\), but training takes 17 frames.*"
                                            r"set frames to 9 or fewer"):
-        load_clip_folder(tmp_path, frames=17, resolution=64)
+        load_clip_folder(tmp_path, WAN, frames=17, resolution=64)
     with pytest.raises(DatasetError, match=r"takes 5 frames at stride 3 \(13 frames\).*lower the frame stride"):
-        load_clip_folder(tmp_path, frames=5, stride=3, resolution=64)
+        load_clip_folder(tmp_path, WAN, frames=5, stride=3, resolution=64)
 
 
 def test_short_frame_folder_is_named(tmp_path):
     write_frame_folder(tmp_path / "wave", 4)
     with pytest.raises(DatasetError, match=r"frame folder .*wave has 4 frame\(s\)"):
-        load_clip_folder(tmp_path, frames=5, resolution=64)
+        load_clip_folder(tmp_path, WAN, frames=5, resolution=64)
 
 
 @pytest.mark.parametrize("content", [b"", b"this is not a video at all" * 100])
@@ -117,14 +118,14 @@ def test_undecodable_clip_is_named_with_what_to_do(tmp_path, content):
     (tmp_path / "broken.mp4").write_bytes(content)
     (tmp_path / "broken.txt").write_text("x")
     with pytest.raises(DatasetError, match=r"cannot (open|decode) video .*broken\.mp4.*re-encode it"):
-        load_clip_folder(tmp_path, frames=5, resolution=64)
+        load_clip_folder(tmp_path, WAN, frames=5, resolution=64)
 
 
 @pytest.mark.parametrize("frames", [2, 6, 16, 0])
 def test_frames_must_be_4k_plus_1(tmp_path, frames):
     write_clip(tmp_path / "a.mp4", 20)
     with pytest.raises(DatasetError, match="4k\\+1"):
-        load_clip_folder(tmp_path, frames=frames, resolution=64)
+        load_clip_folder(tmp_path, WAN, frames=frames, resolution=64)
     with pytest.raises(ConfigError, match="frames.*4k\\+1"):
         load_config("tiny-wan-clip", overrides=dict(frames=frames))
 
@@ -132,7 +133,7 @@ def test_frames_must_be_4k_plus_1(tmp_path, frames):
 def test_clips_for_a_flux2_model_are_refused(tmp_path):
     write_clip(tmp_path / "a.mp4", 9)
     with pytest.raises(DatasetError, match=r"holds video clips \(a\.mp4, \.\.\.\), but FLUX\.2 models train on images"):
-        load_folder(tmp_path, "flux2", frames=1, resolution=64)
+        load_folder(tmp_path, FLUX2, frames=1, resolution=64)
     with pytest.raises(ConfigError, match="frames.*tiny-flux2 trains on images"):
         load_config("tiny-flux2", overrides=dict(frames=5))
 
@@ -143,29 +144,30 @@ def test_an_uncaptioned_sub_folder_of_images_is_not_a_clip(tmp_path):
         (tmp_path / f"p{i}.txt").write_text("a photo")
     (tmp_path / "raw").mkdir()
     Image.fromarray(frame_pixels(0)).save(tmp_path / "raw" / "IMG_0001.png")
-    items = load_folder(tmp_path, "flux2", frames=1, resolution=64)
+    items = load_folder(tmp_path, FLUX2, frames=1, resolution=64)
     assert sorted(i.path.name for i in items) == ["p0.png", "p1.png"]
     write_frame_folder(tmp_path / "wave", 5)                 # captioned: a clip, refused for FLUX.2
     with pytest.raises(DatasetError, match=r"holds video clips \(wave, \.\.\.\)"):
-        load_folder(tmp_path, "flux2", frames=1, resolution=64)
+        load_folder(tmp_path, FLUX2, frames=1, resolution=64)
 
 
 def test_clips_with_frames_1_ask_for_frames(tmp_path):
     write_clip(tmp_path / "a.mp4", 9)
-    with pytest.raises(DatasetError, match="holds clips .* but frames is 1; set frames to 4k\\+1"):
-        load_folder(tmp_path, "wan", frames=1, resolution=64)
+    with pytest.raises(DatasetError, match="holds clips .* but frames is 1; set frames to a count the model "
+                                           "takes \\(e.g. 17 or 33\\)"):
+        load_folder(tmp_path, WAN, frames=1, resolution=64)
 
 
 def test_clip_without_caption_is_named(tmp_path):
     write_clip(tmp_path / "a.mp4", 9, caption=None)
     with pytest.raises(DatasetError, match=r"clip .*a\.mp4 has no caption file a\.txt"):
-        load_clip_folder(tmp_path, frames=5, resolution=64)
+        load_clip_folder(tmp_path, WAN, frames=5, resolution=64)
 
 
 def test_frame_folder_problems_are_named(tmp_path):
     write_frame_folder(tmp_path / "a", 5, name=lambda i: f"{'x' if i == 3 else i}.png")
     with pytest.raises(DatasetError, match=r"x\.png has no frame number"):
-        load_clip_folder(tmp_path, frames=5, resolution=64)
+        load_clip_folder(tmp_path, WAN, frames=5, resolution=64)
     folder = write_frame_folder(tmp_path / "b", 0)
     Image.new("RGB", (80, 48)).save(folder / "1.png")
     Image.new("RGB", (64, 48)).save(folder / "2.png")
@@ -220,7 +222,7 @@ def test_comfyui_wan_vae_encodes_a_clip_along_its_time_axis():
 
     class TextEncoderUnused:                                    # encode_video never touches the text encoder
         cond_stage_model = torch.nn.Linear(1, 1)
-    enc = ComfyEncoders(TextEncoderUnused(), vae, "wan")
+    enc = ComfyEncoders(TextEncoderUnused(), vae, get_spec("tiny-wan"))
     frames = torch.rand(9, 3, 48, 80, generator=g) * 2 - 1
     with torch.no_grad():
         latent = enc.encode_video(frames)
@@ -299,7 +301,7 @@ def video_toml(root: Path, body: str) -> Path:
 
 def test_musubi_video_dataset_gives_each_clips_head_per_target_frames(tmp_path):
     config = video_toml(tmp_path, "target_frames = [1, 9]\nsource_fps = 32.0\nnum_repeats = 2\n")
-    items = load_musubi_toml(config, family="wan", frames=9)
+    items = load_musubi_toml(config, spec=WAN, frames=9)
     bucket = (96, 64)                                     # musubi's default: no bucketing, the resolution
     assert [(i.path.name, i.frames, i.stride, i.bucket) for i in items] == (
         [("bar.mp4", 1, 2, bucket)] * 2 + [("wave", 1, 2, bucket)] * 2 + [("bar.mp4", 9, 2, bucket)] * 2
@@ -308,7 +310,7 @@ def test_musubi_video_dataset_gives_each_clips_head_per_target_frames(tmp_path):
     levels = [float(((f[1] + 1) * 127.5).mean()) for f in pixels]      # green channel: 20 + 10 i
     assert [round((g - 20) / 10) for g in levels] == list(range(0, 17, 2))
     # without target_frames: the run's frames; without source_fps: the run's stride
-    (bar, wave) = load_musubi_toml(video_toml(tmp_path / "b", ""), family="wan", frames=5, stride=3)
+    (bar, wave) = load_musubi_toml(video_toml(tmp_path / "b", ""), spec=WAN, frames=5, stride=3)
     assert (bar.frames, bar.stride, wave.frames) == (5, 3, 5)
 
 
@@ -319,7 +321,7 @@ def test_musubi_video_dataset_gives_each_clips_head_per_target_frames(tmp_path):
     ('frame_extraction = "chunk"\n', "frame_extraction = 'chunk': UGPUM takes each clip's first frames"),
     ("frame_stride = 2\n", "'frame_stride': it belongs to a frame_extraction other than \"head\""),
     ("max_frames = 45\n", "'max_frames': it belongs"),
-    ("source_fps = 30.0\n", "source_fps = 30 is not a whole multiple of Wan's 16 fps"),
+    ("source_fps = 30.0\n", "source_fps = 30 is not a whole multiple of Wan 2.1's 16 fps"),
     ("source_fps = 8.0\n", "source_fps must be a frame rate of at least 16"),
     ('video_jsonl_file = "m.jsonl"\n', "'video_jsonl_file': metadata JSONL files are not supported"),
     ("source_fps = inf\n", "source_fps must be a frame rate"),
@@ -330,20 +332,21 @@ def test_musubi_video_dataset_gives_each_clips_head_per_target_frames(tmp_path):
 def test_musubi_video_dataset_problems_name_the_toml_and_the_fix(tmp_path, body, message):
     config = video_toml(tmp_path, body)
     with pytest.raises(DatasetError, match=message) as caught:
-        load_musubi_toml(config, family="wan", frames=9)
+        load_musubi_toml(config, spec=WAN, frames=9)
     assert "clips.toml [[datasets]] #1" in str(caught.value)
 
 
 def test_musubi_video_dataset_needs_a_wan_model_and_clip_frames(tmp_path):
     config = video_toml(tmp_path, "")
     with pytest.raises(DatasetError, match="video_directory trains Wan 2.1 models only; this run's model is flux2"):
-        load_musubi_toml(config, family="flux2", frames=1)
-    with pytest.raises(DatasetError, match="this run's frames is 1; set frames to 4k\\+1"):
-        load_musubi_toml(config, family="wan", frames=1)
+        load_musubi_toml(config, spec=FLUX2, frames=1)
+    with pytest.raises(DatasetError, match="this run's frames is 1; set frames to a count the model takes "
+                                           "\\(e.g. 17\\)"):
+        load_musubi_toml(config, spec=WAN, frames=1)
 
 
 def test_musubi_target_frames_are_taken_once_each(tmp_path):
-    items = load_musubi_toml(video_toml(tmp_path, "target_frames = [5, 1, 5]\n"), family="wan", frames=5)
+    items = load_musubi_toml(video_toml(tmp_path, "target_frames = [5, 1, 5]\n"), spec=WAN, frames=5)
     assert [(i.path.name, i.frames) for i in items] == [("bar.mp4", 5), ("wave", 5), ("bar.mp4", 1), ("wave", 1)]
 
 

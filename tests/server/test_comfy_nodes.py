@@ -257,14 +257,21 @@ def test_loader_names_missing_companion_files_and_the_download_command(server):
     assert "Also needed" not in ui_text(klein, "1")
 
 
+def test_a_file_that_is_no_model_is_refused_when_queued(server):
+    """The Loader reads the file's header when the prompt is queued (`validate_inputs`): nothing runs."""
+    refused = server.refused({"1": loader(BROKEN_FILE), "2": planner(["1", 0])})
+    assert list(refused) == ["1"] and len(refused["1"]) == 1, refused
+    message = refused["1"][0]
+    assert message.startswith(f"dit_name - UGPUM Loader: Cannot read '{BROKEN_FILE}': not a safetensors file"), message
+    assert "\n" not in message.strip() and message.strip().endswith("."), message
+
+
 @pytest.mark.parametrize("prompt, node, expected", [
-    ({"1": loader(BROKEN_FILE), "2": planner(["1", 0])}, "1",
-     f"UGPUM Loader: Cannot read '{BROKEN_FILE}': not a safetensors file"),
     ({"1": loader(KLEIN_BASE_FILE, devices="8GiB"), "2": planner(["1", 0], recompute="none")}, "2",
      "Partition Planner: flux2-klein-base-9b does not fit on 1 device(s)"),
     ({"1": loader(TINY_FILE, devices="rtx4090, gtx9000"), "2": planner(["1", 0])}, "1",
      "UGPUM Loader: unknown device spec 'gtx9000'"),
-], ids=["not-safetensors", "does-not-fit", "device-typo"])
+], ids=["does-not-fit", "device-typo"])
 def test_errors_reach_the_user_as_sentences(server, prompt, node, expected):
     entry = server.run(prompt, timeout=60)
     error = execution_error(entry)

@@ -16,8 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from PIL import Image
+
 from support.comfy_server import REPO, comfy_server_factory, execution_error  # noqa: F401  (fixture)
 from support.pictures import picture_sets
+from support.png_files import exif_orientation, transparent_sets, turned_sets
 
 TINY_FILE = "tiny-flux2.safetensors"
 LORANNE = REPO / "demo_datasets" / "loranne"
@@ -60,6 +63,15 @@ def prepare(models: Path, input_dir: Path) -> None:
     caption.mkdir()
     (input_dir / "inside.toml").write_text('[[datasets]]\nimage_directory = "own_set"\nresolution = 64\n'
                                            "enable_bucket = true\n")
+    turned_sets(input_dir)                                         # input/turned, upright, keyed, flat (issue 39)
+    transparent_sets(input_dir)
+    (input_dir / "musubi_own.toml").write_text('[general]\nresolution = 64\nenable_bucket = true\ncache_directory = '
+                                               '"cache"\n\n[[datasets]]\nimage_directory = "own_set"\n'
+                                               "debug_dataset = false\n")
+    copy_images(input_dir / "damaged_meta", count=1)
+    Image.new("RGB", (64, 48), (10, 200, 30)).save(input_dir / "damaged_meta" / "cut_exif.jpg",
+                                                   exif=b"Exif\x00\x00" + exif_orientation(6)[:-12])
+    (input_dir / "damaged_meta" / "cut_exif.txt").write_text("loranne")
 
 
 @pytest.fixture(scope="module")
@@ -82,24 +94,40 @@ def training(dataset: str, save_name: str, rank: int = 4) -> dict:
 
 
 def refusal(server, prompt: dict, node: str) -> str:
+    """The sentence of a node that refused while the graph ran."""
     entry = server.run(prompt, timeout=120)
     error = execution_error(entry)
     assert error is not None, json.dumps(entry["status"], indent=1) + server.log_tail()
     assert error["node_id"] == node and error["exception_type"].endswith("UGPUMError"), error
-    message = error["exception_message"].strip()
+    return one_sentence(error["exception_message"])
+
+
+def refusal_before_running(server, prompt: dict, node: str) -> str:
+    """The sentence of a node that refused the prompt when it was queued, before any node ran
+    (`validate_inputs`; ComfyUI repeats it at each input the check reads)."""
+    refused = server.refused(prompt)
+    assert list(refused) == [node], refused
+    messages = {detail.split(" - ", 1)[1] for detail in refused[node]}
+    assert len(messages) == 1, messages
+    return one_sentence(messages.pop())
+
+
+def one_sentence(message: str) -> str:
+    message = message.strip()
     assert "\n" not in message and message.endswith(".") and "Traceback" not in message, message
     return message
 
 
-@pytest.mark.parametrize("dataset, named", [
-    ("input/escape_absolute.toml", "image_directory '{outside}' resolves to {outside}"),
-    ("input/escape_dotdot.toml", "image_directory '../../outside' resolves to {outside}"),
-    ("input/linked", "dataset 'input/linked' is or passes through a symlink to {outside}"),
-    ("input/inside_set", "borrowed.jpg in dataset folder {input}/inside_set is or passes through a symlink"),
+@pytest.mark.parametrize("dataset, named, refused", [
+    ("input/escape_absolute.toml", "image_directory '{outside}' resolves to {outside}", refusal),
+    ("input/escape_dotdot.toml", "image_directory '../../outside' resolves to {outside}", refusal),
+    ("input/linked", "dataset 'input/linked' is or passes through a symlink to {outside}", refusal_before_running),
+    ("input/inside_set", "borrowed.jpg in dataset folder {input}/inside_set is or passes through a symlink", refusal),
 ], ids=["toml-absolute", "toml-dotdot", "symlinked-folder", "symlinked-image"])
-def test_a_dataset_reaching_outside_input_is_refused_saying_why(server, dataset, named):
+def test_a_dataset_reaching_outside_input_is_refused_saying_why(server, dataset, named, refused):
+    """(The dataset the node names is checked when the prompt is queued, what it holds as it is read.)"""
     save_name = "escape_" + dataset.split("/")[1].split(".")[0]
-    message = refusal(server, training(dataset, save_name), "3")
+    message = refused(server, training(dataset, save_name), "3")
     input_dir = server.input_dir.resolve()
     assert message.startswith("LoRA Trainer: "), message
     assert named.format(outside=input_dir.parent.parent / "outside", input=input_dir) in message, message
@@ -126,7 +154,7 @@ def test_the_planners_rank_is_checked_against_the_model(server):
     ("what?", "which Windows cannot store"),
 ], ids=["nul", "too-long", "windows"])
 def test_a_bad_save_name_is_refused_by_name_before_any_work(server, save_name, named):
-    message = refusal(server, training("input/inside.toml", save_name), "3")
+    message = refusal_before_running(server, training("input/inside.toml", save_name), "3")
     assert message.startswith(f"LoRA Trainer: save name {save_name!r} ") and named in message, message
     assert not (server.output_dir / "ugpum").exists() or not any(
         p.name.startswith(save_name[:20]) for p in (server.output_dir / "ugpum").iterdir())
@@ -189,7 +217,7 @@ def test_a_ten_megabyte_name_is_refused_quoting_it_cut(server, field):
     huge = "input/" + "n" * (10 * 2**20) if field == "dataset" else "n" * (10 * 2**20)
     prompt = training("input/inside.toml", "huge_name")
     prompt["3"]["inputs"][field] = huge
-    message = refusal(server, prompt, "3")               # (ComfyUI passes a list input's value on unchecked)
+    message = refusal_before_running(server, prompt, "3")    # (ComfyUI leaves the dataset's check to the node)
     assert len(message) < 700 and "... (10,485,7" in message and "Errno" not in message, message[:1000]
     assert "pick one from the list" in message if field == "dataset" else "is too long" in message
 
@@ -205,3 +233,52 @@ def test_a_publish_a_killed_comfyui_left_half_done_is_cleared_by_the_next_run(se
     entry = server.run(training("input/inside.toml", "after_a_kill"), timeout=300)
     assert execution_error(entry) is None, json.dumps(execution_error(entry), indent=1)
     assert (loras / "after_a_kill.safetensors").is_file() and not half.exists()
+
+
+# ---------------------------------------------------------------- issue 39
+
+def latents_of(server, save_name: str) -> list[torch.Tensor]:
+    from safetensors.torch import load_file
+    return [load_file(str(p))["value"] for p in cached(server, save_name, "latents")]
+
+
+@pytest.mark.parametrize("stored, shown", [("turned", "upright"), ("keyed", "flat")],
+                         ids=["orientation-anywhere", "transparent-colour"])
+def test_pictures_train_on_the_latents_of_the_pictures_they_show(server, stored, shown):
+    for dataset in (stored, shown):
+        entry = server.run(training(f"input/{dataset}", f"shown_{dataset}"), timeout=300)
+        assert execution_error(entry) is None, json.dumps(execution_error(entry), indent=1)
+    left = latents_of(server, f"shown_{shown}")
+    for tensor in latents_of(server, f"shown_{stored}"):
+        match = next((i for i, t in enumerate(left) if t.shape == tensor.shape and torch.equal(t, tensor)), None)
+        assert match is not None, (tuple(tensor.shape), [tuple(t.shape) for t in left])
+        left.pop(match)
+    assert not left
+
+
+def test_damaged_metadata_and_musubi_tuners_own_keys_are_said_in_the_log(server):
+    for dataset, save_name in (("input/damaged_meta", "damaged_meta"), ("input/musubi_own.toml", "musubi_own")):
+        entry = server.run(training(dataset, save_name), timeout=300)
+        assert execution_error(entry) is None, json.dumps(execution_error(entry), indent=1)
+    log = server.log()
+    damaged = server.input_dir.resolve() / "damaged_meta" / "cut_exif.jpg"
+    assert f"note: image {damaged} has damaged metadata (Corrupt EXIF data." in log, server.log_tail()
+    assert "UserWarning" not in log and "TiffImagePlugin" not in log, server.log_tail()
+    assert "cache_directory, debug_dataset change nothing in UGPUM" in log, server.log_tail()
+
+
+def test_a_save_the_system_refuses_is_one_sentence_saying_what_is_kept(server):
+    import subprocess
+    out = server.output_dir / "ugpum" / "read_only"
+    (out / "checkpoints").mkdir(parents=True)
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(out / "checkpoints")],
+                      capture_output=True).returncode:
+        pytest.skip("cannot mount a read-only tmpfs here")
+    try:
+        message = refusal(server, training("input/inside.toml", "read_only"), "3")
+    finally:
+        subprocess.run(["umount", "-l", str(out / "checkpoints")], capture_output=True)
+    assert message.startswith(f"LoRA Trainer: cannot write the checkpoint at step 1 (step_000001) in {out}/checkpoints: "
+                              "its disk is read-only now"), message
+    assert "kept: the LoRA of step 1 (read_only.safetensors); no checkpoint of this run is on disk" in message, message
+    assert (out / "read_only.safetensors").is_file() and not [p for p in out.rglob(".*") if p.name != ".ugpum_run.lock"]

@@ -204,6 +204,21 @@ class ComfyServer:
     def run(self, prompt: dict, timeout: float = 120) -> dict:
         return self.wait(self.queue(prompt), timeout)
 
+    def refused(self, prompt: dict, timeout: float = 120) -> dict[str, list[str]]:
+        """The nodes ComfyUI refused when the prompt was queued (a node's `validate_inputs`): node id -> its
+        messages, one per input the check reads, each as ComfyUI words it ("<input> - <message>"). A refused
+        node never runs; the rest of the graph does when another output node passed (waited for here)."""
+        body = {"prompt": prompt, "client_id": f"ugpum-tests-{uuid.uuid4().hex[:8]}"}
+        status, answer = self.post_json("/prompt", body)
+        errors = {node: [e["details"] for e in found["errors"]] for node, found in answer.get("node_errors", {}).items()}
+        if not errors:
+            raise ComfyServerError(f"/prompt accepted the prompt ({status}): {answer}")
+        if "prompt_id" in answer:
+            ran = set(self.wait(answer["prompt_id"], timeout).get("outputs", {})) & set(errors)
+            if ran:
+                raise ComfyServerError(f"refused nodes ran: {sorted(ran)}")
+        return errors
+
     def interrupt(self) -> None:
         self.post_json("/interrupt", {})
 

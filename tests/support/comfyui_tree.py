@@ -1,7 +1,7 @@
 """Folders laid out as a ComfyUI is (main.py, comfy/, its version file), for the tests of which ComfyUI
 the command line finds and whether it can load a model's text encoder. `new=True` adds the few source
-lines `comfy_bridge.TEXT_ENCODERS` looks for (a ComfyUI from 2026: FLUX.2 types, klein's Qwen3 encoders);
-`new=False` leaves them out, as ComfyUI 0.3.75 (the packaged copy) does. No ComfyUI code is copied: the
+lines each family's ugpum/arch/<family>/comfyui.py names (a ComfyUI from 2026: FLUX.2 types, klein's Qwen3
+encoders); `new=False` leaves them out, as ComfyUI 0.3.75 (the packaged copy) does. No ComfyUI code is copied: the
 one real ComfyUI of this machine, the packaged copy, cannot load klein, and the newest is not on any
 package registry, so where a test needs one that can, this stands in for its source text."""
 from __future__ import annotations

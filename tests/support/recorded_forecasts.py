@@ -1,8 +1,9 @@
 """The GPU runs the planner is held to (issue 29): every row of bench/results/calibration_fit.jsonl (what the
-coefficients in ugpum/planning/calibration.json were fitted to) and of bench/results/calibration.json (runs of the
-planner's own picks and their neighbours, made after the fit), each against the forecast the code gives now
-for the blocks that row kept and swapped, on the device rate and host link the row's run measured.
-Shared by tests/unit/test_calibration.py and `python bench/calibration_fit.py`, which prints the table.
+planner's coefficients were fitted to: ugpum/planning/calibration.json, the families' and the modes' own) and
+of bench/results/calibration.json (runs of the planner's own picks and their neighbours, made after the fit),
+each against the forecast the code gives now for the blocks that row kept and swapped, on the device rate and
+host link the row's run measured. Shared by tests/unit/test_calibration.py and `python bench/calibration_fit.py`,
+which prints the table.
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import json
 import statistics
 from pathlib import Path
 
+from ugpum.compute.modes import held_dtype
 from ugpum.planning import cost
 from ugpum.arch import get_spec
 from ugpum.arch.base import Workload
@@ -39,12 +41,11 @@ def rows() -> list[dict]:
 
 
 def workload(row: dict) -> Workload:
-    eight_bit = row["base_compute"] in cost.EIGHT_BIT_MODES
     words = row["command"].split()
     rank = int(words[words.index("--rank") + 1]) if "--rank" in words else 16
     return Workload(width=row["resolution"], height=row["resolution"], frames=row["frames"], rank=rank,
                     compiled=row.get("compile", "on") != "off", base_compute=row["base_compute"],
-                    held_dtype="fp8" if eight_bit else "bf16", recompute=row["recompute"])
+                    held_dtype=held_dtype(row["base_compute"], "bf16"), recompute=row["recompute"])
 
 
 def unit_bytes(row: dict, spec, w: Workload) -> float:

@@ -11,15 +11,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from support import comfy_models as cm  # noqa: E402
-from ugpum.compute.base_compute import (BaseComputeError, linear_8bit, quantise_rows,  # noqa: E402
-                                quantise_weight, supports, use_8bit_base)
+from ugpum.compute.base_compute import (BaseComputeError, quantise_weight, quantised_linear,  # noqa: E402
+                                        supports, use_base_compute)
+from ugpum.compute.modes import mode_named  # noqa: E402
 from ugpum.compute.lora import attach_lora  # noqa: E402
 
 
 @pytest.mark.parametrize("mode, bound", [("fp8", 0.0625), ("int8", 1 / 127)])
 def test_row_quantisation_error_is_bounded(mode, bound):
     t = torch.randn(64, 256, generator=torch.Generator().manual_seed(0)) * torch.logspace(-2, 2, 64)[:, None]
-    q, s = quantise_rows(t, mode)
+    q, s = mode_named(mode).quantise_rows(t)
     back = q.float() * s
     # per element: half a step of the row's grid (int8), or 2^-4 relative + the subnormal floor (fp8 e4m3)
     amax = t.abs().amax(dim=1, keepdim=True)
@@ -40,7 +41,7 @@ def test_linear_forward_and_input_gradient_close_to_fp32(mode):
     gy = torch.randn(ref.shape, generator=g)
     gx_ref, = torch.autograd.grad(ref, x, gy)
     wq, sw = quantise_weight(w, mode)
-    y = linear_8bit(x, wq, sw, b, mode, emulate=True)
+    y = quantised_linear(x, wq, sw, b, mode, emulate=True)
     gx, = torch.autograd.grad(y, x, gy)
     tol = 0.06 if mode == "fp8" else 0.012
     assert float((y - ref).detach().norm() / ref.detach().norm()) < tol
@@ -70,7 +71,7 @@ def test_lora_gradients_agree_with_full_precision_base_and_undo_is_exact(comfy, 
     guard_inplace_residuals(model, include_rms=False)
     before = {n: p.detach().clone() for n, p in model.state_dict().items()}
     ref = _lora_grads(model, inputs, lora)
-    undo = use_8bit_base(model, targets, mode, log=lambda *_: None, emulate=True, keep="cpu")
+    undo = use_base_compute(model, targets, mode, log=lambda *_: None, emulate=True, keep="cpu")
     got = _lora_grads(model, inputs, lora)
     undo()
     cos = float(torch.nn.functional.cosine_similarity(ref, got, dim=0))
@@ -83,15 +84,15 @@ def test_lora_gradients_agree_with_full_precision_base_and_undo_is_exact(comfy, 
 def test_refusals_are_one_sentence():
     lin = torch.nn.Sequential(torch.nn.Linear(16, 16)).requires_grad_(False)
     with pytest.raises(BaseComputeError) as err:
-        use_8bit_base(lin, ["0"], "fp8", log=lambda *_: None)
+        use_base_compute(lin, ["0"], "fp8", log=lambda *_: None)
     msg = str(err.value)
     assert "fp8" in msg and "cpu" in msg and msg.count(". ") == 0 and "\n" not in msg
     assert supports("bf16", "cpu") is None
     with pytest.raises(ValueError):
-        use_8bit_base(lin, ["0"], "fp4", log=lambda *_: None)
+        use_base_compute(lin, ["0"], "fp4", log=lambda *_: None)
     trainable = torch.nn.Sequential(torch.nn.Linear(16, 16))
     with pytest.raises(ValueError, match="trainable"):
-        use_8bit_base(trainable, ["0"], "int8", log=lambda *_: None, emulate=True)
+        use_base_compute(trainable, ["0"], "int8", log=lambda *_: None, emulate=True)
 
 
 def test_the_planner_forecasts_each_mode_from_the_h200_measurements():
@@ -149,7 +150,7 @@ def test_quantising_each_layer_as_it_loads_equals_quantising_after_and_drops_eve
     from ugpum.compute.base_compute import QuantiseAsLoaded
     spec, path, targets = _tiny_file(tmp_path, comfy)
     after = _loaded(spec, path)
-    use_8bit_base(after, targets, mode, log=lambda *_: None, emulate=True, keep="none")
+    use_base_compute(after, targets, mode, log=lambda *_: None, emulate=True, keep="none")
     hook = QuantiseAsLoaded(targets, mode, emulate=True)
     streamed = _loaded(spec, path, on_weight=hook)
     assert hook.layers == len(targets) and f"{len(targets)} frozen Linears" in hook.summary()
@@ -164,6 +165,6 @@ def test_a_scaled_fp8_weight_is_quantised_with_its_scale(tmp_path, comfy):
     model = _loaded(spec, path, dtype=torch.float8_e4m3fn)     # the loader scales each matrix into fp8's range
     assert any(getattr(model.get_submodule(t), "weight_function", None) for t in targets)
     reference = _forward(model, spec)
-    use_8bit_base(model, targets, "int8", log=lambda *_: None, emulate=True, keep="none")
+    use_base_compute(model, targets, "int8", log=lambda *_: None, emulate=True, keep="none")
     got = _forward(model, spec)
     assert float((got - reference).norm() / reference.norm()) < 0.05

@@ -238,6 +238,7 @@ def test_an_exif_turned_16_bit_picture_is_turned_upright_like_its_8_bit_twin(tmp
 
 
 def test_pictures_of_kinds_not_read_are_listed_never_dropped_in_silence(tmp_path):
+    from ugpum.arch import get_spec
     from ugpum.train.batches import load_items
     folder = tmp_path / "set"
     folder.mkdir()
@@ -247,7 +248,8 @@ def test_pictures_of_kinds_not_read_are_listed_never_dropped_in_silence(tmp_path
     (folder / "e.psd").write_bytes(b"8BPS")                 # a Photoshop file, a phone's HEIC: not read
     (folder / "f.heic").write_bytes(b"\0\0\0\x18ftypheic")
     said = []
-    items = load_items(TrainConfig(model="tiny-flux2", dataset=str(folder), resolution=64), said.append)
+    items = load_items(TrainConfig(model="tiny-flux2", dataset=str(folder), resolution=64), get_spec("tiny-flux2"),
+                       said.append)
     assert sorted(i.path.name for i in items) == ["a.png", "b.tif", "c.gif", "d.jfif"]
     assert said == [f"note: {folder}: skipped 2 picture(s) of a kind UGPUM does not read (e.psd, f.heic); to train "
                     f"on them, convert them to PNG or JPEG (read: {', '.join(IMAGE_EXTENSIONS)})"]

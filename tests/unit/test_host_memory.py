@@ -23,7 +23,7 @@ def test_the_forecast_is_the_base_plus_the_pinned_copies_and_plan_shows_it():
     plan = make_plan(KLEIN, parse_device_specs(["rtx4060ti-16g"]), Workload(compiled=True))
     pinned = sum(cost.block_weight_bytes(KLEIN.blocks[i], Workload()) for i in plan.offloaded_blocks)
     assert plan.offloaded_blocks and pinned > 4 * GIB
-    assert plan.forecast_host_gib * GIB == pytest.approx(cost.CALIBRATION["host"]["flux2"] * GIB + pinned,
+    assert plan.forecast_host_gib * GIB == pytest.approx(cost.family_rows(KLEIN)["host_gib"] * GIB + pinned,
                                                          abs=0.01 * GIB)
     text = format_plan(plan)
     assert f"host memory: {plan.forecast_host_gib:.1f} GiB at the peak of training, {pinned / GIB:.1f} of it pinned" in text

@@ -1,6 +1,8 @@
 """LoRA safetensors in ComfyUI's key format, atomic writes and the dataset hash."""
 
+import contextlib
 import json
+import resource
 from pathlib import Path
 
 import pytest
@@ -9,7 +11,6 @@ import torch
 from PIL import Image
 from safetensors.torch import save_file
 
-import ugpum.formats.lora_file as lora_file
 from ugpum.formats.atomic import atomic_path, write_json_atomic
 from ugpum.formats.lora_file import LoraFileError, load_lora, lora_metadata, save_lora
 from ugpum.train.cache import dataset_hash
@@ -127,27 +128,28 @@ def test_save_rejects_bad_input_and_writes_nothing(tmp_path, tensors, kwargs, me
 # ---------------------------------------------------------------- atomic save
 
 
-def test_failure_mid_write_leaves_no_file(tmp_path, monkeypatch):
-    def write_half_then_fail(tensors, filename, metadata=None):
-        Path(filename).write_bytes(b"half a safetensors file")
-        raise OSError("disk full")
+@contextlib.contextmanager
+def file_size_limit(size: int):
+    """This process may write files of at most `size` bytes (a real RLIMIT_FSIZE: writes past it fail with
+    EFBIG, as Python ignores SIGXFSZ), for the block."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (size, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
 
-    monkeypatch.setattr(lora_file, "save_file", write_half_then_fail)
-    with pytest.raises(OSError, match="disk full"):
-        save_lora(tmp_path / "l.safetensors", lora_pairs(), rank=4, alpha=4)
+
+def test_failure_mid_write_leaves_no_file(tmp_path):
+    with file_size_limit(1000), pytest.raises(OSError, match="would be larger than this system lets a process write"):
+        save_lora(tmp_path / "l.safetensors", lora_pairs(), rank=4, alpha=4)     # the header fits, the tensors not
     assert list(tmp_path.iterdir()) == []
 
 
-def test_failure_keeps_the_previous_file(tmp_path, monkeypatch):
+def test_failure_keeps_the_previous_file(tmp_path):
     path = save_lora(tmp_path / "l.safetensors", lora_pairs(seed=1), rank=4, alpha=4, dtype=torch.float32)
     before = path.read_bytes()
-
-    def fail(tensors, filename, metadata=None):
-        Path(filename).write_bytes(b"partial")
-        raise RuntimeError("interrupted")
-
-    monkeypatch.setattr(lora_file, "save_file", fail)
-    with pytest.raises(RuntimeError):
+    with file_size_limit(1000), pytest.raises(OSError):
         save_lora(path, lora_pairs(seed=2), rank=4, alpha=4)
     assert path.read_bytes() == before
     assert leftovers(tmp_path, "l.safetensors") == []

@@ -8,6 +8,8 @@ import re
 import sys
 from pathlib import Path
 
+from support.name_branches import family_branches, mode_branches, name_branches
+
 REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "ugpum"
 
@@ -227,47 +229,8 @@ def test_only_the_run_layout_names_a_run_folders_files():
     assert offenders == []
 
 
-# A model family's behaviour lives in its folder, ugpum/arch/<family>/: elsewhere the code asks the spec
-# (ArchSpec's members), never which family a model is. The timestep method "flux2" and the sampler schedule
-# "flux2" are settings users type, named after FLUX.2 but not a family: compared as `method` or `schedule`.
-SETTINGS_NAMED_LIKE_A_FAMILY = {"method", "schedule"}
-
-
-def _named(node: ast.AST) -> str | None:
-    """The name of a variable or attribute (`family` of `spec.family`), else None."""
-    if isinstance(node, ast.Name):
-        return node.id
-    return node.attr if isinstance(node, ast.Attribute) else None
-
-
-def _strings(node: ast.AST) -> set[str]:
-    """The string literals of a string, or of a tuple, list or set of literals."""
-    items = node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else [node]
-    return {i.value for i in items if isinstance(i, ast.Constant) and isinstance(i.value, str)}
-
-
-def family_branches(path: Path, families: set[str]) -> list[str]:
-    """Where `path` asks which family a model is: a comparison (==, !=, in, not in) of a family's name,
-    or of anything called `family` with a string; a dict literal or a match case keyed by a family's name."""
-    found = []
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-        if isinstance(node, ast.Compare):
-            sides = [node.left, *node.comparators]
-            for op, a, b in zip(node.ops, sides, sides[1:]):
-                if not isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn)):
-                    continue
-                for x, y in ((a, b), (b, a)):
-                    if (_named(x) == "family" and _strings(y)) or \
-                            (_strings(x) & families and _named(y) not in SETTINGS_NAMED_LIKE_A_FAMILY):
-                        found.append(f"{path.name}:{node.lineno} compares a family")
-                        break
-        elif isinstance(node, ast.Dict) and families & {k.value for k in node.keys if isinstance(k, ast.Constant)}:
-            found.append(f"{path.name}:{node.lineno} a dict keyed by family")
-        elif isinstance(node, ast.MatchValue) and isinstance(node.value, ast.Constant) and node.value.value in families:
-            found.append(f"{path.name}:{node.lineno} a case for a family")
-    return sorted(set(found), key=lambda f: int(f.split(":")[1].split()[0]))
-
-
+# A model family's behaviour lives in its folder, a compute mode's in its file: elsewhere the code asks the spec
+# or the mode, never which one it is (the checks: tests/support/name_branches.py).
 def test_no_code_outside_arch_asks_which_family_a_model_is(tmp_path):
     from ugpum.arch import FAMILIES
     families = {f.name for f in FAMILIES}
@@ -281,15 +244,46 @@ def test_no_code_outside_arch_asks_which_family_a_model_is(tmp_path):
         'match name:',
         '    case "wan": pass',                                           # 6
         'fine = method in ("flux2", "flux2_shift") or schedule == "flux2"',   # the settings named after FLUX.2
-        'fine = spec.family + "/" + spec.id, CALIBRATION["host"][spec.family], spec.takes_clips',
+        'fine = spec.family + "/" + spec.id, family_named(spec.family).calibration, spec.takes_clips',
     ]) + "\n")
     assert family_branches(sample, families) == ["sample.py:1 compares a family", "sample.py:2 compares a family",
                                                  "sample.py:3 compares a family", "sample.py:4 a dict keyed by family",
                                                  "sample.py:6 a case for a family"]
-    arch = PACKAGE / "arch"
-    outside = [p for p in sorted(PACKAGE.rglob("*.py")) + sorted((REPO / "nodes").rglob("*.py"))
-               if not p.is_relative_to(arch)]
-    assert [f for p in outside for f in family_branches(p, families)] == []
+    assert name_branches(REPO, families, set()) == []
+
+
+def test_no_code_outside_the_modes_folder_asks_which_compute_mode_a_setting_is(tmp_path):
+    from ugpum.compute.modes import NAMES
+    modes = set(NAMES)
+    assert modes >= {"bf16", "fp8", "int8"}
+    sample = tmp_path / "sample.py"
+    sample.write_text("\n".join([
+        'if plan.base_compute == "bf16": pass',                           # 1
+        'eight_bit = mode in ("fp8", "int8")',                            # 2
+        'SPEED = {"bf16": 1.0, "int8": 0.9}',                             # 3
+        'match w.base_compute:',
+        '    case "fp8": pass',                                           # 5
+        'fine = w.held_dtype != "fp8" or weight_dtype == "bf16" or setting == "auto"',
+        'fine = {"bf16": 2, "fp8": 1}, mode_named(w.base_compute).quantises',
+    ]) + "\n")
+    assert mode_branches(sample, modes) == ["sample.py:1 compares a compute mode",
+                                            "sample.py:2 compares a compute mode",
+                                            "sample.py:3 a dict keyed by compute mode",
+                                            "sample.py:5 a case for a compute mode"]
+    assert name_branches(REPO, set(), modes) == []
+
+
+def test_each_compute_mode_is_one_file_the_registry_finds():
+    from ugpum.compute.modes import EXACT, MODES, SETTINGS, mode_named
+    from ugpum.compute.modes.mode import ComputeMode
+    folder = PACKAGE / "compute" / "modes"
+    files = sorted(p.stem for p in folder.glob("*.py") if re.search(r"^MODE = ", p.read_text(encoding="utf-8"), re.M))
+    assert sorted(m.name for m in MODES) == files and {"bf16", "fp8", "int8"} <= set(files)
+    assert SETTINGS == ("auto", *(m.name for m in MODES)) and [m for m in MODES if not m.quantises] == [EXACT]
+    for mode in MODES:
+        assert isinstance(mode, ComputeMode) and type(mode).__module__ == f"ugpum.compute.modes.{mode.name}"
+        assert mode_named(mode.name) is mode and set(mode.dense_speed) == {"compiled", "eager"}
+        assert not mode.quantises or (mode.quality and type(mode).matmul is not ComputeMode.matmul)
 
 
 def test_each_family_is_one_folder_the_registry_finds_with_every_member_the_code_asks_for():
@@ -302,7 +296,8 @@ def test_each_family_is_one_folder_the_registry_finds_with_every_member_the_code
     assert [f.name for f in FAMILIES] == folders == sorted(folders) and "flux2" in folders and "wan" in folders
     assert len(model_ids()) == len(set(model_ids()))                        # no id claimed by two families
     asked = {name for name, member in vars(ArchSpec).items() if getattr(member, "__isabstractmethod__", False)}
-    assert {"takes_clips", "model_context", "sampler_model_fn", "stage_class", "attention_flops"} <= asked
+    assert {"takes_clips", "frames_per_latent", "model_context", "sampler_model_fn", "stage_class",
+            "attention_flops"} <= asked
     for fam in FAMILIES:
         own = f"ugpum.arch.{fam.name}."
         cls = fam.spec_class
@@ -314,6 +309,8 @@ def test_each_family_is_one_folder_the_registry_finds_with_every_member_the_code
         assert cls.default_timesteps in TIMESTEP_METHODS and isinstance(cls.takes_clips, bool)
         assert fam.ids and all(type(get_spec(i)) is cls and get_spec(i).family == fam.name for i in fam.ids)
         assert fam.recognise({}, "") is None
+        assert fam.comfy.module.startswith("comfy.") and fam.comfy.kwargs.__module__.startswith(own)
+        assert {"memory", "allocator", "efficiency", "host_gib"} <= set(fam.calibration)
 
 
 # A command-line flag, as a message would spell it: `--resume`, `--base-compute` (not `x--y`, `---`, `--1`).

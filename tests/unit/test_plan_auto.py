@@ -29,7 +29,7 @@ def test_auto_takes_the_cards_8bit_mode_where_bf16_would_swap():
     ada, ampere = _plan("rtx4070", "auto"), _plan("rtx3060", "auto")
     bf16 = _plan("rtx4070", "bf16")
     assert ada.base_compute == "fp8"
-    # Ampere's 8-bit mode is int8 (no fp8 cores); int8 measured slower than bf16 (ugpum/planning/calibration.json), so
+    # Ampere's 8-bit mode is int8 (no fp8 cores); int8 measured slower than bf16 (ugpum/compute/modes/int8.py), so
     # the 3060 weighs it against bf16 with swap and says which won
     assert "int8 swaps" in ampere.base_compute_note and "fp8" not in ampere.base_compute_note
     assert ampere.base_compute == ("int8" if "bf16 is faster" not in ampere.base_compute_note else "bf16")

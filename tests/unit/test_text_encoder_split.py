@@ -243,11 +243,13 @@ def test_caption_caching_splits_once_and_releases(comfy):
     vae = tiny_wan_vae()
     captions = ["loranne, a red bar grows", "two words"]
     before = state(te)
-    whole = ComfyEncoders(clip, vae, "wan", devices=[device("big", "cpu", 100 * EncoderSizes.from_module(te).total_bytes)])
+    wan = get_spec("tiny-wan")
+    big = device("big", "cpu", 100 * EncoderSizes.from_module(te).total_bytes)
+    whole = ComfyEncoders(clip, vae, wan, devices=[big])
     ref = whole.encode_text(captions)
     layers = find_layers(te)[1]
 
-    enc = ComfyEncoders(clip, vae, "wan", devices=two_stage_devices(te, ("cpu", "cpu"), 3))
+    enc = ComfyEncoders(clip, vae, wan, devices=two_stage_devices(te, ("cpu", "cpu"), 3))
     first = enc.encode_text(captions[:1])
     assert all(layer._forward_hooks for layer in layers)                  # still split for the next caption
     second = enc.encode_text(captions[1:])

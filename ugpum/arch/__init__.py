@@ -5,18 +5,20 @@ its ids, builds its specs and recognises its checkpoints; its spec class supplie
 code asks of a model of that family (ArchSpec's abstract members). The registry finds the families
 from their folders alone: adding a family is adding a folder, holding
 
-  __init__.py   FAMILY = Family(name=<the folder's name>, title, marker, spec_class, ids, spec, recognise)
-  variants.py   the sizes the planner knows by id, and recognising one from a checkpoint's shapes
-  spec.py       the ArchSpec subclass: every abstract member of ArchSpec (tests/unit/test_package_shape.py
-                checks that each family supplies them all and that no code outside ugpum/arch/ asks
-                which family a model is)
-  stage.py      its pipeline stage for the distributed engine (a ugpum.arch.stage.Stage)
+  __init__.py       FAMILY = Family(name=<the folder's name>, title, marker, spec_class, ids, spec, recognise,
+                    comfy, calibration)
+  variants.py       the sizes the planner knows by id, and recognising one from a checkpoint's shapes
+  spec.py           the ArchSpec subclass: every abstract member of ArchSpec (tests/unit/test_package_shape.py
+                    checks that each family supplies them all and that no code outside ugpum/arch/ asks
+                    which family a model is)
+  stage.py          its pipeline stage for the distributed engine (a ugpum.arch.stage.Stage)
+  sampler.py        how ComfyUI samples it (its sigmas and model function, for previews)
+  comfyui.py        how ComfyUI builds and feeds it, by name (ugpum.arch.comfyui.ComfyModel: the model class
+                    and its arguments, latent format, text encoder type and what loading that needs)
+  calibration.json  its planner coefficients measured on a GPU (ugpum/planning/cost.py reads them)
 
-Besides code, a family needs data keyed by its name: its measured cost coefficients in
-ugpum/planning/calibration.json (bench/calibration_fit.py), training presets (ugpum/catalog/profiles.py) and model
-files (ugpum/catalog/models.py); and ComfyUI's model class, latent format and CLIP type for it where
-the command line builds ComfyUI's objects (the pack's bridge module, reached through
-ugpum/commands/bridge.py)."""
+Training presets (ugpum/catalog/profiles.py) and downloadable files (ugpum/catalog/models.py) name models
+by id; a family trains without them (from a model file, or a tiny model with random weights)."""
 from __future__ import annotations
 
 import importlib
@@ -62,6 +64,25 @@ def family_named(name: str) -> Family:
     raise UnknownModel(f"unknown model family {name!r}; known: {', '.join(f.name for f in FAMILIES)}")
 
 
+def family_titles(joined_by: str = " or ") -> str:
+    """The families as users know them, for messages: "FLUX.2 or Wan 2.1"."""
+    return joined_by.join(f.title for f in FAMILIES)
+
+
+def family_of(spec: ArchSpec) -> Family:
+    """The family `spec` belongs to."""
+    return family_named(spec.family)
+
+
+def text_encoder_support(model_id: str) -> tuple[str, tuple]:
+    """(the model's text encoder, the lines ComfyUI's source must hold to load it); ("", ()) for a model
+    that needs none of ComfyUI's (the tiny test models)."""
+    for fam in FAMILIES:
+        if model_id in fam.comfy.text_encoders:
+            return fam.comfy.text_encoders[model_id]
+    return "", ()
+
+
 def recognise(path: str | Path) -> tuple[ArchSpec, str, str]:
     """(spec, key prefix, weight dtype) of a DiT checkpoint, from its header alone (checked against the
     file's size, so a truncated or inconsistent file is named here, before any work starts)."""
@@ -71,9 +92,9 @@ def recognise(path: str | Path) -> tuple[ArchSpec, str, str]:
         spec = fam.recognise(shapes, Path(path).name)
         if spec is not None:
             return spec, prefix, weight_dtype(header)
-    raise UnknownModel(f"{path}: not a {' or '.join(f.title for f in FAMILIES)} diffusion model "
+    raise UnknownModel(f"{path}: not a {family_titles()} diffusion model "
                        f"(no {' or '.join(f.marker for f in FAMILIES)} tensor in its header)")
 
 
-__all__ = ["ArchSpec", "BlockSpec", "Family", "LinearSpec", "Workload", "UnknownModel", "family_named", "get_spec",
-           "model_ids", "recognise", "strip_prefix"]
+__all__ = ["ArchSpec", "BlockSpec", "Family", "LinearSpec", "Workload", "UnknownModel", "family_named", "family_of",
+           "family_titles", "get_spec", "model_ids", "recognise", "strip_prefix", "text_encoder_support"]

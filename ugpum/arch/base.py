@@ -14,13 +14,6 @@ ACT_BYTES = 2  # activations run in bf16 (autocast) on the GPU
 # activations from forward to backward
 RECOMPUTE_SETTINGS = ("auto", "all", "none")
 
-WAN_FPS = 16        # Wan 2.1's frame rate: what it was trained on, what ComfyUI's Wan templates save at
-
-
-def latent_frames(frames: int) -> int:
-    """Frames of the Wan VAE latent for `frames` video frames: the first alone, then 4 per latent frame."""
-    return 1 + (frames - 1) // 4
-
 
 @dataclass(frozen=True)
 class LinearSpec:
@@ -50,10 +43,10 @@ class Workload:
     batch: int = 1
     text_tokens: int = 512
     held_dtype: str = "bf16"             # the base weights as training holds them on the GPUs: bf16 | fp8 | fp32
-    #                                      (fp8 under an 8-bit base_compute, whatever the weight_dtype setting)
+    #                                      (under a quantising base_compute, its mode's: fp8 for the 8-bit ones)
     rank: int = 16
     compiled: bool = False               # blocks compiled (ugpum.compute.compile): fused elementwise work
-    base_compute: str = "bf16"           # the frozen base's matmuls: bf16 | fp8 | int8 (ugpum.compute.base_compute)
+    base_compute: str = "bf16"           # the frozen base's matmuls: a mode of ugpum/compute/modes/ (bf16, fp8, int8)
     # Which blocks recompute their forward in backward (per-block checkpointing): all | none | auto (the
     # planner keeps the activations of the resident blocks the memory left over holds, ugpum.planning.plan).
     recompute: str = "all"
@@ -73,7 +66,7 @@ class ArchSpec(ABC):
     sampling, stand-in encoders, the distributed engine) calls them instead of asking which family a
     model is."""
     id: str
-    family: str                  # the family's name (its folder in ugpum/arch/): "flux2" or "wan"
+    family: str                  # the family's name (its folder in ugpum/arch/): "flux2", "wan", ...
     title: str                   # modelspec architecture prefix, e.g. "Flux.2-klein-9b"
     hidden: int
     heads: int
@@ -110,8 +103,18 @@ class ArchSpec(ABC):
 
     def latent_shape(self, width: int, height: int, frames: int = 1) -> tuple[int, ...]:
         """The latent of one sample [1, C, (T,) h, w] as the DiT takes it (T for a family that takes clips)."""
-        time = (latent_frames(frames),) if self.takes_clips else ()
+        time = (self.latent_frames(frames),) if self.takes_clips else ()
         return (1, self.latent_channels, *time, height // self.latent_factor, width // self.latent_factor)
+
+    # A video VAE of these models is causal: it encodes the first frame alone, then every
+    # `frames_per_latent` frames into one latent frame (so a clip takes 1 + k x frames_per_latent frames).
+    def latent_frames(self, frames: int) -> int:
+        """Latent frames for `frames` frames of a clip."""
+        return 1 + (frames - 1) // self.frames_per_latent
+
+    def frames_within(self, available: int) -> int:
+        """The most frames this model takes that a clip of `available` frames holds."""
+        return 1 + (max(available, 1) - 1) // self.frames_per_latent * self.frames_per_latent
 
     # --- what the family supplies: constants ----------------------------------------------------
     # (a subclass sets each as a plain class attribute)
@@ -134,6 +137,16 @@ class ArchSpec(ABC):
     @abstractmethod
     def latent_factor(self) -> int:
         """Pixels per latent pixel along each side."""
+
+    @property
+    @abstractmethod
+    def frames_per_latent(self) -> int:
+        """Clip frames its VAE packs into one latent frame after the first (1 for a family of images)."""
+
+    @property
+    @abstractmethod
+    def frame_rate(self) -> int:
+        """Frames per second its clips are trained and previews saved at (0 for a family of images)."""
 
     @property
     @abstractmethod

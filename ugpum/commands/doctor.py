@@ -14,6 +14,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+from ..arch import family_titles
 from ..catalog import models as catalog
 from .download import download_command
 from ..planning.forecast import TYPICAL_RIGS
@@ -347,7 +348,8 @@ def _fmt_models(m: dict | None, focus: str | None = None) -> list[str]:
     if others:
         lines.append("other diffusion models:")
         for o in others:
-            what = f"{o['model']} ({o['dtype']})" if o.get("model") else f"not FLUX.2 / Wan 2.1 ({o.get('note', '')})"
+            what = f"{o['model']} ({o['dtype']})" if o.get("model") else \
+                f"not {family_titles(' / ')} ({o.get('note', '')})"
             lines.append(f"    {o['file']}: {what}")
     return lines
 

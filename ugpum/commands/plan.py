@@ -6,6 +6,7 @@ import dataclasses
 import json
 
 from ..arch import get_spec, recognise
+from ..compute.modes import SETTINGS as BASE_COMPUTE_SETTINGS
 from ..planning.devices import CPU_TRAINABLE_PARAMS, resolve_devices
 from ..planning.forecast import format_plan, plan_for_config, recompute_line
 from ..placement.schedules import ALL_SETTINGS, DISTRIBUTED_ONLY
@@ -55,7 +56,7 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--checkpointing", choices=["block", "none"], help=argparse.SUPPRESS)   # older: all / none
     p.add_argument("--compile", choices=["auto", "on", "off"],
                    help="plan compiled blocks (auto and on) or eager ones (off), as train runs them (default auto)")
-    p.add_argument("--base-compute", choices=["auto", "bf16", "fp8", "int8"],
+    p.add_argument("--base-compute", choices=BASE_COMPUTE_SETTINGS,
                    help="the frozen base's matmuls: 8-bit holds the base at 1 byte a weight and runs it faster")
     p.add_argument("--desktop-gib", type=float, metavar="GIB",
                    help="GPU memory left to the desktop on each card (default: 0.5 on a card that drives a display; "

@@ -11,12 +11,14 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..arch import get_spec, recognise
+from ..arch import ArchSpec, get_spec, recognise
+from ..compute.modes import SETTINGS as BASE_COMPUTE_SETTINGS
 from ..planning.devices import CPU_TRAINABLE_PARAMS, resolve_devices
 from ..placement.schedules import ALL_SETTINGS
 from ..compute.dtypes import TORCH_DTYPES
 from ..train.config import PROFILES, TrainConfig, load_config
 from ..folders import check_writable, dangling_link, too_long_name
+from ..startup import stops_while_starting
 from .bridge import comfy_bridge
 from .prog import printer
 from .errors import UsageError
@@ -90,7 +92,7 @@ def add_train_parser(sub) -> None:
     p.add_argument("--sample-every", type=int, metavar="N", help="render a sample every N steps (0: never)")
     p.add_argument("--compile", choices=["auto", "on", "off"],
                    help="compiled blocks (default auto: on CUDA GPUs with Triton; says once why not elsewhere)")
-    p.add_argument("--base-compute", choices=["auto", "bf16", "fp8", "int8"],
+    p.add_argument("--base-compute", choices=BASE_COMPUTE_SETTINGS,
                    help="the frozen base's matmuls (default bf16; fp8 on Ada/Hopper/Blackwell, int8 on Ampere)")
     # past one machine (README "Past one machine"): under torchrun, one pipeline stage per rank
     p.add_argument("--distributed", action="store_true",
@@ -117,6 +119,8 @@ def config_from_args(args) -> TrainConfig:
         source = f"profile {args.profile}" if args.profile else f"config {args.config}"
     elif args.resume:
         cfg, source = recorded_config(args.resume, _overrides(args)), f"the run in {args.resume}"
+        check_recorded_files(args.resume, {"dataset": None if args.dataset else cfg.dataset,
+                                           "model": None if args.model else cfg.model_file})
     else:
         raise UsageError("give --profile NAME or --config FILE.toml (" + ", ".join(PROFILES) + "), or --resume DIR "
                          "to continue a run")
@@ -165,6 +169,26 @@ def recorded_config(out: str, overrides: dict) -> TrainConfig:
                          "--profile or --config as well") from None
 
 
+# what a run records of the files it was loaded from -> (what it is, the flag that gives its new place)
+RECORDED_FILES = {"dataset": ("dataset", "--dataset DIR"), "model": ("model file", "--model FILE"),
+                  "text_encoder": ("text encoder", "--text-encoder FILE"), "vae": ("VAE", "--vae FILE"),
+                  "models": ("models folder", "--models DIR"), "comfyui": ("ComfyUI", "--comfyui DIR")}
+
+
+def check_recorded_files(out: str, paths: dict) -> None:
+    """For `--resume DIR` alone: each file or folder the checkpoint records (`paths`: name -> recorded
+    path, None where the command line gives it again) must be there still; one that moved is named as
+    the checkpoint records it, with the flag that continues the run from its new place."""
+    from ..train.run.checkpoint import latest_checkpoint
+    for name, path in paths.items():
+        if path and not Path(path).exists():
+            what, flag = RECORDED_FILES[name]
+            checkpoint = latest_checkpoint(Path(out).expanduser())
+            raise UsageError(f"--resume {out}: the run's {what} {path}, as its checkpoint {checkpoint} records it, "
+                             f"is not there any more; if it moved, continue the run from its new place with "
+                             f"--resume {out} {flag}")
+
+
 def recorded_inputs(args) -> dict:
     """For a resume: the files the run loaded its encoders from (and its --models, --comfyui), as its
     checkpoint records them, where the command line does not give them again."""
@@ -178,13 +202,14 @@ def recorded_inputs(args) -> dict:
 
 
 def model_files(cfg: TrainConfig, models: str | None, dit: str | None, text_encoder: str | None,
-                vae: str | None) -> ModelFiles | None:
+                vae: str | None, spec: ArchSpec | None = None) -> ModelFiles | None:
     """The files of a real-model run: explicit paths first, the rest from a ComfyUI models/ folder by
     the catalog's names; None for runs without real encoders (tiny models, stand-in benchmarks).
-    Anything missing is one sentence naming each file and the command that fetches them."""
+    Anything missing is one sentence naming each file and the command that fetches them. `spec`: the
+    model's, as the verb resolved it (None: `cfg.model`'s), here and below."""
     from ..catalog import models as catalog
     from .download import download_command
-    spec = get_spec(cfg.model)
+    spec = spec or get_spec(cfg.model)
     if cfg.stand_in_encoders:
         if text_encoder or vae or models:
             raise UsageError("--stand-in-encoders replaces the text encoder and VAE; drop --models, "
@@ -228,17 +253,17 @@ def model_files(cfg: TrainConfig, models: str | None, dit: str | None, text_enco
     return ModelFiles(chosen["dit"], chosen["text_encoder"], chosen["vae"])
 
 
-def build_model(cfg: TrainConfig, bridge=None):
+def build_model(cfg: TrainConfig, bridge=None, spec: ArchSpec | None = None):
     """(DiT, key prefix): ComfyUI's module on the meta device (streamed from `cfg.model_file` when
     placed), or seeded random weights for a tiny model without a file."""
     bridge = bridge or comfy_bridge()
-    return bridge.build_dit(get_spec(cfg.model), TORCH_DTYPES[cfg.weight_dtype], cfg.model_file, seed=cfg.seed)
+    return bridge.build_dit(spec or get_spec(cfg.model), TORCH_DTYPES[cfg.weight_dtype], cfg.model_file, seed=cfg.seed)
 
 
-def build_encoders(cfg: TrainConfig, files: ModelFiles | None, bridge=None):
+def build_encoders(cfg: TrainConfig, files: ModelFiles | None, bridge=None, spec: ArchSpec | None = None):
     """ComfyUI's text encoder and VAE from `files` (checked against this ComfyUI first), else the
     stand-ins of tiny models and benchmarks."""
-    spec = get_spec(cfg.model)
+    spec = spec or get_spec(cfg.model)
     if files is None:
         if not (cfg.stand_in_encoders or spec.params <= CPU_TRAINABLE_PARAMS):
             raise UsageError(f"{spec.id} needs its text encoder and VAE: give --models <ComfyUI>/models, or "
@@ -247,25 +272,28 @@ def build_encoders(cfg: TrainConfig, files: ModelFiles | None, bridge=None):
         return StandInEncoders(spec)
     bridge = bridge or comfy_bridge()
     bridge.check_text_encoder_support(spec)
-    return bridge.load_encoders(files.text_encoder, files.vae, spec.family, devices=cfg.devices)
+    return bridge.load_encoders(files.text_encoder, files.vae, spec, devices=cfg.devices)
 
 
-def run_training(cfg: TrainConfig, out: str | Path, files: ModelFiles | None = None, comfyui=None, **hooks):
+def run_training(cfg: TrainConfig, out: str | Path, files: ModelFiles | None = None, comfyui=None,
+                 spec: ArchSpec | None = None, **hooks):
     """One training run from the command line (or a test, or the demo): the ComfyUI to use (`comfyui`,
     as `find_comfyui` found it; default: the one it finds), the DiT, the encoders, then the engine.
     `hooks` go to `ugpum.train.loop.train` (resume, log, inputs, ...); a `log` words the settings the
     run log marks (`prog.printer`)."""
     from ..train.loop import train
-    bridge = comfy_bridge()
-    import torch
-    folder = bridge.comfyui_folder(comfyui) if comfyui is not None else bridge.find_comfyui_or_raise()
-    bridge.import_comfy(folder, cpu=not torch.cuda.is_available())
-    if files is not None:
-        cfg.model_file = str(files.dit)
-    encoders = build_encoders(cfg, files, bridge)
-    model, key_prefix = build_model(cfg, bridge)
+    spec = spec or get_spec(cfg.model)
+    with stops_while_starting():          # (the command line) ComfyUI's imports and the model: nothing written yet
+        bridge = comfy_bridge()
+        import torch
+        folder = bridge.comfyui_folder(comfyui) if comfyui is not None else bridge.find_comfyui_or_raise()
+        bridge.import_comfy(folder, cpu=not torch.cuda.is_available())
+        if files is not None:
+            cfg.model_file = str(files.dit)
+        encoders = build_encoders(cfg, files, bridge, spec)
+        model, key_prefix = build_model(cfg, bridge, spec)
     with bridge.comfy_training_mode():
-        return train(cfg, out, model=model, encoders=encoders, key_prefix=key_prefix, **hooks)
+        return train(cfg, out, model=model, encoders=encoders, key_prefix=key_prefix, spec=spec, **hooks)
 
 
 def check_out_folder(out: str, flag: str) -> None:
@@ -292,23 +320,22 @@ def check_out_folder(out: str, flag: str) -> None:
                          f"folder you can write to, or make it writable (chmod u+w {existing})")
 
 
-def find_comfyui(cfg: TrainConfig, comfyui: str | None, models: str | None, files: list) -> object:
+def find_comfyui(cfg: TrainConfig, spec: ArchSpec, comfyui: str | None, models: str | None, files: list) -> object:
     """The ComfyUI this run uses (the one `doctor` names for the same flags), refused before anything is
     read or downloaded when it cannot load the model's text encoder."""
     bridge = comfy_bridge()
     found = bridge.locate_comfyui(comfyui, [models, *files])
     if found is None:
         raise UsageError(f"no ComfyUI found: give --comfyui DIR or set COMFYUI_PATH to {bridge.NEW_COMFYUI}")
-    if not cfg.stand_in_encoders and get_spec(cfg.model).params > CPU_TRAINABLE_PARAMS:
-        bridge.check_comfyui_for(found, get_spec(cfg.model))
+    if not cfg.stand_in_encoders and spec.params > CPU_TRAINABLE_PARAMS:
+        bridge.check_comfyui_for(found, spec)
     return found
 
 
-def check_devices(cfg: TrainConfig) -> None:
+def check_devices(cfg: TrainConfig, spec: ArchSpec) -> None:
     """Refuse devices that cannot train this model (the CPU for a real model, described GPUs), before
     anything is looked for, loaded or downloaded."""
     import torch
-    spec = get_spec(cfg.model)
     if spec.params > CPU_TRAINABLE_PARAMS and not torch.cuda.is_available():
         raise UsageError(f"{spec.id} cannot train on the CPU, and torch sees no CUDA GPU here; train on a machine "
                          "with an NVIDIA GPU (`python -m ugpum doctor` shows what torch sees), or read the forecast "
@@ -316,9 +343,8 @@ def check_devices(cfg: TrainConfig) -> None:
     resolve_devices(list(cfg.devices), spec, training=True, probe=False)
 
 
-def random_weights_note(cfg: TrainConfig) -> str | None:
+def random_weights_note(cfg: TrainConfig, spec: ArchSpec) -> str | None:
     """What a run on random weights says first: its LoRA learns nothing a real model can use."""
-    spec = get_spec(cfg.model)
     if not cfg.model_file and spec.params <= CPU_TRAINABLE_PARAMS:
         return (f"note: {spec.id} is a tiny test model with random weights and stand-in encoders: this run tries the "
                 "pipeline and learns no real picture, and its LoRA fits only this random model (for a real LoRA: "
@@ -330,6 +356,25 @@ def random_weights_note(cfg: TrainConfig) -> str | None:
 
 
 def run_train(args) -> int:
+    with stops_while_starting():          # (the command line) the checks and the files to load: nothing written yet
+        out, cfg, spec, files, comfyui, inputs = prepare_run(args)
+    if getattr(args, "distributed", False) or getattr(args, "data_parallel", 1) != 1:   # torchrun ... --distributed
+        from .train_distributed import run_train_distributed
+        return run_train_distributed(args, cfg, spec, out, files, build_model, build_encoders, comfyui, inputs)
+    from ..train.run.folder import RunFinished
+    try:
+        result = run_training(cfg, out, files, comfyui, spec, resume=bool(args.resume), overwrite=args.overwrite,
+                              inputs=inputs, log=printer("train"))
+    except RunFinished as finished:                  # not an error: the run is done
+        printer("train")(finished)
+        return 0
+    print(f"LoRA: {result.lora_path}")
+    return 0
+
+
+def prepare_run(args) -> tuple:
+    """(out, settings, model spec, model files, ComfyUI, inputs) of the run the flags ask for, each checked, before
+    anything is loaded or written."""
     if args.resume and args.out and Path(args.resume).resolve() != Path(args.out).resolve():
         raise UsageError(f"--resume {args.resume} continues the run in that folder; drop --out {args.out} "
                          "(a resumed run stays in its own folder)")
@@ -344,31 +389,23 @@ def run_train(args) -> int:
         check_writable(cfg.cache_dir, "cache_dir", "set cache_dir to a folder you can write in")
     if not cfg.dataset:
         raise UsageError("no dataset: give --dataset DIR (or set dataset in the config)")
-    check_devices(cfg)                                  # a real model without a GPU: said before any file
+    spec = get_spec(cfg.model)                          # the one look-up: passed along from here
+    check_devices(cfg, spec)                            # a real model without a GPU: said before any file
     recorded = recorded_inputs(args)
+    check_recorded_files(args.resume, {name: None if getattr(args, name) else recorded.get(name)
+                                       for name in ("text_encoder", "vae", "models", "comfyui")})
     models = args.models or recorded.get("models")
     given = {"text_encoder": args.text_encoder or recorded.get("text_encoder"),
              "vae": args.vae or recorded.get("vae")}
-    comfyui = find_comfyui(cfg, args.comfyui or recorded.get("comfyui"), models,
+    comfyui = find_comfyui(cfg, spec, args.comfyui or recorded.get("comfyui"), models,
                            [args.model or cfg.model_file, *given.values()])
-    files = model_files(cfg, models, args.model, given["text_encoder"], given["vae"])
-    note = random_weights_note(cfg)
+    files = model_files(cfg, models, args.model, given["text_encoder"], given["vae"], spec)
+    note = random_weights_note(cfg, spec)
     if note:
         print(note)
     inputs = {"models": _absolute(models), "comfyui": _absolute(args.comfyui or recorded.get("comfyui")),
               **({"text_encoder": _absolute(files.text_encoder), "vae": _absolute(files.vae)} if files else {})}
-    if getattr(args, "distributed", False) or getattr(args, "data_parallel", 1) != 1:   # torchrun ... --distributed
-        from .train_distributed import run_train_distributed
-        return run_train_distributed(args, cfg, out, files, build_model, build_encoders, comfyui, inputs)
-    from ..train.run.folder import RunFinished
-    try:
-        result = run_training(cfg, out, files, comfyui, resume=bool(args.resume), overwrite=args.overwrite,
-                              inputs=inputs, log=printer("train"))
-    except RunFinished as finished:                  # not an error: the run is done
-        printer("train")(finished)
-        return 0
-    print(f"LoRA: {result.lora_path}")
-    return 0
+    return out, cfg, spec, files, comfyui, inputs
 
 
 def _absolute(path) -> str | None:

@@ -9,11 +9,11 @@ from pathlib import Path
 from ..train.config import TrainConfig
 
 
-def run_distributed_training(cfg: TrainConfig, out: str | Path, files, build_model, build_encoders,
+def run_distributed_training(cfg: TrainConfig, spec, out: str | Path, files, build_model, build_encoders,
                              data_parallel: int = 1, resume: bool = False, overwrite: bool = False, log=print,
                              comfyui=None, inputs: dict | None = None):
-    """One rank of a distributed run: the ComfyUI to use, this rank's DiT (streamed from its file
-    stage by stage), the encoders on rank 0 only, then the engine. `build_model` and
+    """One rank of a distributed run of `spec`'s model: the ComfyUI to use, this rank's DiT (streamed from
+    its file stage by stage), the encoders on rank 0 only, then the engine. `build_model` and
     `build_encoders`: `ugpum.commands.train`'s (passed in: that module imports this one). `comfyui`: the
     ComfyUI `train` found (`comfy_bridge.locate_comfyui`); `inputs`: what the checkpoints record."""
     import torch
@@ -27,17 +27,17 @@ def run_distributed_training(cfg: TrainConfig, out: str | Path, files, build_mod
     if files is not None:
         cfg.model_file = str(files.dit)
     try:
-        stepper = TorchrunRankStepper(cfg, lambda: build_encoders(cfg, files, bridge), data_parallel, cpu)
-        model, key_prefix = build_model(cfg, bridge)
+        stepper = TorchrunRankStepper(cfg, lambda: build_encoders(cfg, files, bridge, spec), data_parallel, cpu)
+        model, key_prefix = build_model(cfg, bridge, spec)
         with bridge.comfy_training_mode():
             return train(cfg, out, model, None, key_prefix, resume=resume, overwrite=overwrite, stepper=stepper,
-                         inputs=inputs, log=log)
+                         inputs=inputs, spec=spec, log=log)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def run_train_distributed(args, cfg: TrainConfig, out: str, files, build_model, build_encoders, comfyui=None,
+def run_train_distributed(args, cfg: TrainConfig, spec, out: str, files, build_model, build_encoders, comfyui=None,
                           inputs: dict | None = None) -> int:
     """The CLI's distributed branch: a stop by a signal is one sentence per rank and exit 128 + signal."""
     from ..distributed.topology import DistributedStop
@@ -46,7 +46,8 @@ def run_train_distributed(args, cfg: TrainConfig, out: str, files, build_model, 
     if not args.distributed:
         raise UsageError("--data-parallel needs --distributed (run under torchrun; README \"Past one machine\")")
     try:
-        result = run_distributed_training(cfg, out, files, build_model, build_encoders, data_parallel=args.data_parallel,
+        result = run_distributed_training(cfg, spec, out, files, build_model, build_encoders,
+                                          data_parallel=args.data_parallel,
                                           resume=bool(args.resume), overwrite=getattr(args, "overwrite", False),
                                           log=printer("train"), comfyui=comfyui, inputs=inputs)
     except DistributedStop as stop:

@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from ..compute.base_compute import check_devices
+from ..compute.modes import AUTO
 from ..planning.devices import resolve_devices
 from ..compute.dtypes import TORCH_DTYPES
 from ..planning.plan import PlanError
@@ -120,7 +121,7 @@ class TorchrunRankStepper:
         if cfg.grad_accum % top.replicas:
             raise TrainingError(f"grad_accum {cfg.grad_accum} does not divide into {top.replicas} replicas: each "
                                 "replica runs grad_accum / R micro-batches of the step's global batch")
-        if cfg.base_compute not in ("bf16", "auto"):        # before any data is read or weight loaded
+        if cfg.base_compute != AUTO:                        # before any data is read or weight loaded
             check_devices(cfg.base_compute, [top.device])
         self.make_encoders = make_encoders
         self.lead = top.rank == 0

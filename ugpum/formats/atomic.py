@@ -12,15 +12,16 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from .disk_space import check_space, full_disk_error
+from .disk_space import check_space, refused_write
 
 
-def _temp_name_for(final: Path) -> Path:
+def temp_name_for(final: Path) -> Path:
     # Hidden and with a random part, so it never collides with or looks like a finished file; the
     # writer's process id in it tells a leftover of a killed writer from a write under way.
     # A final name near the 255 bytes a file name may take is shortened in it (the name stays unique).
@@ -30,11 +31,31 @@ def _temp_name_for(final: Path) -> Path:
 
 
 _TEMP = re.compile(r"^\..+\.(?:(\d+)-)?[0-9a-f]{12}\.tmp$")
+# The temporary names of the safetensors library's own writer (Rust's tempfile: ".tmp" and six letters or
+# digits), which older versions wrote through inside atomic_path's: it says not which process wrote it.
+_LIBRARY_TEMP = re.compile(r"^\.tmp[0-9A-Za-z]{6}$")
 
 
 def is_temp_name(name: str) -> bool:
     """Whether `name` is one of atomic_path's temporary names (this version's or an older one's)."""
     return _TEMP.match(name) is not None
+
+
+def _held_open(path: Path) -> bool:
+    """Whether some process has `path` open (Linux's /proc says; where it cannot tell: taken to be)."""
+    try:
+        target = os.stat(path)
+        processes = [p for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return True
+    for pid in processes:
+        with contextlib.suppress(OSError):
+            for fd in os.scandir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    st = os.stat(fd.path)
+                    if (st.st_dev, st.st_ino) == (target.st_dev, target.st_ino):
+                        return True
+    return False
 
 
 def _started(pid: int) -> float | None:
@@ -75,7 +96,10 @@ def _alive(pid: int, written: float | None = None) -> bool:
 def abandoned_temp(path: Path) -> bool:
     """A temporary file whose writer is gone: its process has ended (also when not yet reaped), or its
     number now belongs to a process started after the file was written, or the name (from an older
-    version) does not say which process wrote it. A write under way in another process is kept."""
+    version) does not say which process wrote it; the safetensors library's own temporary file when no
+    process holds it open. A write under way in another process is kept."""
+    if _LIBRARY_TEMP.match(path.name):
+        return not _held_open(path)          # (a writer holds its temporary file open until it renames it)
     match = _TEMP.match(path.name)
     if match is None:
         return False
@@ -90,10 +114,13 @@ def abandoned_temp(path: Path) -> bool:
 
 
 def remove_abandoned(folder: Path | str) -> list[Path]:
-    """Delete the temporary files of killed writers in `folder` (not those of writes under way)."""
-    gone = [p for p in Path(folder).glob(".*.tmp") if abandoned_temp(p)]
+    """Delete the temporary files (and folders named as atomic_path names files) of killed writers in
+    `folder`, not those of writes under way."""
+    folder = Path(folder)
+    found = sorted({*folder.glob(".*.tmp"), *folder.glob(".tmp*")})
+    gone = [p for p in found if (p.is_file() or (p.is_dir() and is_temp_name(p.name))) and abandoned_temp(p)]
     for p in gone:
-        p.unlink(missing_ok=True)
+        shutil.rmtree(p, ignore_errors=True) if p.is_dir() and not p.is_symlink() else p.unlink(missing_ok=True)
     return gone
 
 
@@ -130,9 +157,10 @@ def atomic_path(final: Path | str, needed: int | None = None, kept: str | None =
 
     On success the temporary file, given the umask's mode (`honour_umask`), replaces `final` in one
     step. On any exception the temporary file is removed, `final` is left as it was, and the
-    exception propagates; a full disk as DiskFull, one sentence naming the file and the free space
-    (`needed`: the bytes the file takes, when known, checked before anything is written; `kept`:
-    what the sentence may say is kept).
+    exception propagates; a write the system refuses as one sentence naming the file: a full disk as
+    DiskFull with the free space (`needed`: the bytes the file takes, when known, checked before
+    anything is written), a file-size limit, quota, read-only disk or I/O error as SaveRefused
+    (`kept`: what the sentence may say is kept).
     """
     final = Path(final)
     if not final.parent.is_dir():
@@ -141,7 +169,7 @@ def atomic_path(final: Path | str, needed: int | None = None, kept: str | None =
         )
     if needed is not None:
         check_space(final.parent, needed, final.name, kept)
-    temp = _temp_name_for(final)
+    temp = temp_name_for(final)
     try:
         yield temp
         if not temp.exists():
@@ -152,10 +180,11 @@ def atomic_path(final: Path | str, needed: int | None = None, kept: str | None =
         honour_umask(temp)
         os.replace(temp, final)
     except BaseException as err:
-        temp.unlink(missing_ok=True)
-        full = full_disk_error(err, final.parent, final.name, needed, kept)
-        if full is not err:
-            raise full from err
+        with contextlib.suppress(OSError):          # (a disk that went read-only keeps it: the next run clears it)
+            temp.unlink(missing_ok=True)
+        refused = refused_write(err, final.parent, final.name, needed, kept)
+        if refused is not err:
+            raise refused from None                 # the sentence says it all: no chained traceback
         raise
 
 
@@ -168,7 +197,7 @@ def write_json_atomic(path: Path | str, obj: Any) -> None:
 
 def append_line(path: Path | str, line: str) -> None:
     """Append one line to a log (metrics.jsonl) whole or not at all: a write the disk cuts short is
-    taken back, so a reader never meets half a line; a full disk as DiskFull naming the file."""
+    taken back, so a reader never meets half a line; a refused write as one sentence naming the file."""
     path = Path(path)
     size = path.stat().st_size if path.exists() else 0
     try:
@@ -177,7 +206,7 @@ def append_line(path: Path | str, line: str) -> None:
     except OSError as err:
         with contextlib.suppress(OSError):
             os.truncate(path, size)
-        full = full_disk_error(err, path.parent, path.name, len(line) + 1)
-        if full is err:
+        refused = refused_write(err, path.parent, path.name, len(line) + 1)
+        if refused is err:
             raise
-        raise full from err
+        raise refused from None

@@ -3,8 +3,8 @@ a true claim about what was kept.
 
 A write that can know its size asks first (`check_space`), so a file is never started that cannot be
 finished; a write that fills the disk anyway (another program wrote meanwhile) is turned into the
-same sentence (`full_disk_error`). Sizes are shown in MiB with one decimal, or in bytes below 1 MiB,
-so a small LoRA never "needs about 0 MiB".
+same sentence (`refused_write`, which words the system's other refusals too: `refused.py`). Sizes are
+shown in MiB with one decimal, or in bytes below 1 MiB, so a small LoRA never "needs about 0 MiB".
 """
 from __future__ import annotations
 
@@ -12,22 +12,18 @@ import errno
 import shutil
 from pathlib import Path
 
-from ..wording import EngineError
+from .refused import SaveRefused, os_error_code, refusal
 
-FULL = (errno.ENOSPC, errno.EDQUOT)
+FULL = (errno.ENOSPC,)          # (a used-up quota is worded as such: refused.py)
 # Headers, metadata and the filesystem's own blocks: a write needs a little more than its tensors.
 MARGIN = 64 * 2**10
 
 
-class DiskFull(OSError, EngineError):
+class DiskFull(SaveRefused):
     """No space left for a write; the message says how much is needed, how much is free and what is kept."""
 
     def __init__(self, message: str):
-        super().__init__(message)
-        self.errno = errno.ENOSPC
-
-    def __str__(self) -> str:                  # OSError would print "[Errno 28] ..." before the sentence
-        return self.args[0]
+        super().__init__(message, errno.ENOSPC)
 
 
 def size_text(n: int) -> str:
@@ -49,11 +45,8 @@ def free_bytes(folder: Path) -> int:
 
 
 def is_disk_full(err: BaseException) -> bool:
-    """ENOSPC or EDQUOT, also as the safetensors library reports them (its own error type, with the
-    OS error in the text)."""
-    if isinstance(err, DiskFull):
-        return True
-    return getattr(err, "errno", None) in FULL or any(f"os error {n})" in str(err) for n in FULL)
+    """ENOSPC, also as a library reports it (its own error type, with the OS error in the text)."""
+    return isinstance(err, DiskFull) or os_error_code(err) in FULL
 
 
 def _sentence(folder: Path, what: str, needed: int | None, free: int, kept: str | None) -> str:
@@ -70,12 +63,15 @@ def check_space(folder: Path, needed: int, what: str, kept: str | None = None) -
         raise DiskFull(_sentence(Path(folder), what, needed + MARGIN, free, kept))
 
 
-def full_disk_error(err: BaseException, folder: Path, what: str, needed: int | None = None,
-                    kept: str | None = None) -> BaseException:
-    """`err` as a DiskFull sentence when it is a full disk, else `err` itself (to re-raise)."""
-    if isinstance(err, DiskFull) or not is_disk_full(err):
+def refused_write(err: BaseException, folder: Path, what: str, needed: int | None = None,
+                  kept: str | None = None) -> BaseException:
+    """`err` as one sentence when the system refused the write (a DiskFull for a full disk, a SaveRefused
+    for the other refusals), else `err` itself (to re-raise)."""
+    if isinstance(err, SaveRefused):
         return err
-    return DiskFull(_sentence(Path(folder), what, needed, free_bytes(folder), kept))
+    if is_disk_full(err):
+        return DiskFull(_sentence(Path(folder), what, needed, free_bytes(folder), kept))
+    return refusal(err, Path(folder), what, kept)
 
 
 def enough_space(folder: Path, needed: int) -> bool:

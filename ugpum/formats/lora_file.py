@@ -16,10 +16,9 @@ from pathlib import Path
 
 import safetensors
 import torch
-from safetensors.torch import save_file
 
-from ugpum.formats.atomic import atomic_path
 from ugpum.formats.finite import NonFinite, non_finite, shown
+from ugpum.formats.safetensors_writer import write_tensors
 from ugpum.wording import EngineError
 
 TRAINER_VERSION = "ugpum 0.1.0"
@@ -187,7 +186,8 @@ def save_lora(
     kept: str | None = None,
 ) -> Path:
     """Write a LoRA safetensors file atomically; returns its path. Never a LoRA with NaN or infinite
-    values (NonFinite), never one the disk cannot hold (DiskFull, saying `kept`: what is kept).
+    values (NonFinite), never one the system refuses to write (DiskFull, SaveRefused: one sentence saying
+    `kept`, what is kept).
 
     `tensors`: {module path: (A [rank, in], B [out, rank])} or a flat dict of full keys.
     Alpha is stored as a float32 scalar (bf16 would round values like 0.3).
@@ -222,9 +222,7 @@ def save_lora(
         raise NonFinite(f"LoRA {path}: not saved, it holds NaN or infinite values ({shown(bad)}); training "
                         "diverged: lower the learning rate or clip gradients, and train from the last good checkpoint")
     needed = sum(t.numel() * t.element_size() for t in out.values()) + len(json.dumps(full_metadata)) + 100 * len(out)
-    with atomic_path(path, needed=needed, kept=kept) as temp:
-        save_file(out, str(temp), metadata=full_metadata)
-    return path
+    return write_tensors(path, out, full_metadata, needed=needed, kept=kept)
 
 
 # ---------------------------------------------------------------- load

@@ -130,7 +130,7 @@ def place(model: nn.Module, layout: Layout, checkpoint: str | Path | None = None
     `weights_on` (unit path -> device) stores those units' weights elsewhere than they run: block
     swap keeps offloaded blocks in host memory (`ugpum.placement.swap`); the router still moves their inputs
     to the layout's device. `on_weight(module_path, module)` runs as each weight arrives from the file
-    (`ugpum.compute.base_compute.quantise_as_loaded` makes the frozen Linears 8-bit one by one).
+    (`ugpum.compute.base_compute.QuantiseAsLoaded` quantises the frozen Linears one by one).
     """
     storage = dataclasses.replace(layout, blocks={**layout.blocks, **weights_on}) if weights_on else layout
     units = _units(model, layout)

@@ -5,13 +5,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..arch import family_of
 from ..arch.base import ACT_BYTES, WEIGHT_BYTES, ArchSpec, BlockSpec, Workload
+from ..compute.modes import mode_named
 
 GIB = 1024 ** 3
 
-# The coefficients measured on a GPU (bench/calibration_fit.py writes them from runs of `python -m ugpum
-# train`; the file says which runs and the command). Memory is counted in units of the hidden state between
-# two blocks (ArchSpec.boundary_bytes), so it scales with tokens, width and batch.
+# The coefficients measured on a GPU (bench/calibration_fit.py fits them to runs of `python -m ugpum train`;
+# each file says which runs): the shared ones here, each family's in its folder (`family_rows`), each compute
+# mode's speed factors in its file. Memory is counted in units of the hidden state between two blocks
+# (ArchSpec.boundary_bytes), so it scales with tokens, width and batch.
 CALIBRATION_FILE = Path(__file__).with_name("calibration.json")
 CALIBRATION: dict = json.loads(CALIBRATION_FILE.read_text())
 # Frozen base weights: backward computes only input gradients for the dense part (1x forward);
@@ -20,28 +23,31 @@ DENSE_BACKWARD = 1.0
 ATTENTION_BACKWARD = 2.5
 # LoRA parameter bytes: fp32 master weight + fp32 gradient + AdamW's two fp32 moments.
 LORA_BYTES_PER_PARAM = 16
-EIGHT_BIT_MODES = ("fp8", "int8")
 
 
 def _compiled(w: Workload) -> str:
     return "compiled" if w.compiled else "eager"
 
 
+def family_rows(spec: ArchSpec) -> dict:
+    """The measured coefficients of `spec`'s family (ugpum/arch/<family>/calibration.json)."""
+    return family_of(spec).calibration
+
+
 def memory_units(spec: ArchSpec, w: Workload) -> dict:
     """The measured memory coefficients of this family in this mode (compiled or eager)."""
-    return CALIBRATION["memory"][spec.family][_compiled(w)]
+    return family_rows(spec)["memory"][_compiled(w)]
 
 
 def efficiency(spec: ArchSpec, w: Workload) -> float:
     """The share of the device's measured square-matmul rate a block of this family reaches in bf16."""
-    time = CALIBRATION["time"]
-    return time[f"{_compiled(w)}_efficiency"] * time["family"][spec.family]
+    return CALIBRATION["time"][f"{_compiled(w)}_efficiency"] * family_rows(spec)["efficiency"]
 
 
 def dense_speed(w: Workload) -> float:
     """The base's dense matmuls in `w.base_compute` as a multiple of their bf16 speed (attention and the
-    LoRA unchanged)."""
-    return CALIBRATION["time"][f"{_compiled(w)}_dense_speed"][w.base_compute]
+    LoRA unchanged): the mode's measured factor (ugpum/compute/modes/)."""
+    return mode_named(w.base_compute).dense_speed[_compiled(w)]
 
 
 def block_flops_split(spec: ArchSpec, block: BlockSpec, w: Workload) -> tuple[float, float]:
@@ -87,9 +93,9 @@ def cast_copy_bytes(block: BlockSpec, w: Workload) -> float:
     """Weights stored below the compute precision (fp8) are cast per matmul by ComfyUI's manual-cast
     ops, and autograd keeps each cast copy (2 bytes a weight) until that layer's input gradient is
     computed: a block's weights exist a second time from its (re)computed forward to its backward.
-    Weights already in the compute dtype are kept by reference and cost nothing extra, and so are the
-    8-bit base's: its GEMMs read the 1-byte weight itself (ugpum.compute.base_compute saves Wq, not a copy)."""
-    if w.base_compute in EIGHT_BIT_MODES:
+    Weights already in the compute dtype are kept by reference and cost nothing extra, and so are those of a
+    quantised base: its GEMMs read the quantised weight itself (ugpum.compute.base_compute saves Wq, not a copy)."""
+    if mode_named(w.base_compute).quantises:
         return 0.0
     return block.params * ACT_BYTES if WEIGHT_BYTES[w.held_dtype] < ACT_BYTES else 0.0
 
@@ -119,14 +125,14 @@ def block_peak_extra_bytes(spec: ArchSpec, block: BlockSpec, w: Workload, recomp
 def allocator_bytes(spec: ArchSpec, w: Workload) -> float:
     """What PyTorch's caching allocator reserves beyond the peak it hands out (blocks cut from larger free
     ones, rounding), with expandable segments: measured as peak reserved less peak allocated."""
-    return CALIBRATION["memory"]["allocator"][spec.family] * spec.boundary_bytes(w)
+    return family_rows(spec)["allocator"] * spec.boundary_bytes(w)
 
 
 def host_bytes(spec: ArchSpec, pinned: float) -> float:
     """The training process's peak resident host memory: what it holds for this family with every weight
     streamed from its file (Python, torch, ComfyUI's classes, the cached latents and captions, the loader's
     buffers; measured), plus the pinned host copies of the swapped blocks."""
-    return CALIBRATION["host"][spec.family] * GIB + pinned
+    return family_rows(spec)["host_gib"] * GIB + pinned
 
 
 def lora_bytes(block: BlockSpec, w: Workload) -> int:

@@ -16,13 +16,12 @@ import json
 import logging
 import os
 import re
-import tempfile
 import time
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Callable
 
-from ..formats.atomic import honour_umask
+from ..formats.atomic import remove_abandoned, write_json_atomic
 from ..wording import EngineError
 
 log = logging.getLogger(__name__)
@@ -71,7 +70,7 @@ _GEFORCE_DERATE = 0.8
 # Cards not in a whitepaper table are scaled from their family's flagship per SM and GHz of boost clock:
 # Ampere GeForce 71 / (82 SMs x 1.695 GHz) = 0.511, Ada 165.2 / (128 x 2.52) = 0.512 dense TFLOP/s.
 # compute_capability says which 8-bit tensor cores a card has (8.6 Ampere: int8; 8.9 Ada, 9.0 Hopper,
-# 12.0 Blackwell GeForce: fp8 and int8), for base_compute = auto (ugpum.compute.base_compute.eight_bit_mode).
+# 12.0 Blackwell GeForce: fp8 and int8), for base_compute = auto (ugpum.compute.modes.fastest_mode_for).
 PRESETS: dict[str, dict] = {
     # Ampere GA106: 28 SMs x 1.777 GHz x 0.511 = 25.4 dense. The 12 GB desktop card.
     "rtx3060": {"memory_bytes": 12 * GIB, "tflops_bf16": round(25.4 * _GEFORCE_DERATE, 1),
@@ -598,17 +597,11 @@ def cached_matmul_tflops(device_name: str, measure: Callable[[], float]) -> floa
 
 
 def _write_json_atomically(path: Path, data: dict) -> None:
-    # Readers (another ComfyUI process) see the old file or the new one, never half of one.
+    # Readers (another ComfyUI process) see the old file or the new one, never half of one; what a killed
+    # writer left is cleared first.
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as out:
-            json.dump(data, out, indent=1, sort_keys=True)
-        honour_umask(tmp)                       # mkstemp makes 0600
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    remove_abandoned(path.parent)
+    write_json_atomic(path, dict(sorted(data.items())))
 
 
 def _timed_ms(index: int, work: Callable[[], None], repeats: int) -> float:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 
 from ..arch import get_spec
-from ..arch.base import latent_frames
 from .devices import Device, parse_device_specs, resolve_devices, with_desktop
 from .plan import GIB, Plan, PlanError, alternatives_text, plan_training
 
@@ -28,7 +27,7 @@ def _block_range(paths: list[str], a: int, b: int) -> str:
 
 def format_plan(plan: Plan) -> str:
     w = plan.workload
-    clip = f", {w['frames']} frames ({latent_frames(w['frames'])} latent)" if w["frames"] > 1 else ""
+    clip = f", {w['frames']} frames ({w['latent_frames']} latent)" if w["frames"] > 1 else ""
     lines = [f"{plan.model}  {w['width']}x{w['height']}{clip}"
              + f"  batch {w['batch']}  grad-accum {plan.grad_accum}  rank {w['rank']}  {w['held_dtype']}"
              + f"  recompute {w.get('recompute', 'all')}"

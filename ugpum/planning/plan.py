@@ -8,6 +8,7 @@ from functools import lru_cache
 
 from . import cost
 from ..arch.base import ACT_BYTES, WEIGHT_BYTES, ArchSpec, Workload
+from ..compute.modes import AUTO, EXACT, fastest_mode_for, mode_named, tensor_core_modes
 from .devices import Device, gpu_to_gpu_gbps, host_memory, speed_assumed
 from ..placement.schedules import best_schedule, in_flight as held_in_flight
 from ..wording import EngineError, setting
@@ -63,7 +64,7 @@ class Plan:
     in_flight: int = 1                  # micro-batches whose activations a stage holds at once
     base_compute: str = "bf16"          # the frozen base's matmuls this plan was made for (auto resolved)
     base_compute_note: str = ""         # why, when base_compute = auto chose
-    alternatives: list[dict] = field(default_factory=list)   # 8-bit plans shown when bf16 needs swap
+    alternatives: list[dict] = field(default_factory=list)   # quantised plans shown when bf16 needs swap
     recompute: str = "all"              # the setting this plan was made for (ugpum.arch.base.RECOMPUTE_SETTINGS)
     recompute_saved_s: float = 0.0      # seconds per step the kept activations save against recompute all
     forecast_host_gib: float = 0.0      # the process's peak host memory (pinned swap copies included)
@@ -76,6 +77,24 @@ class Plan:
 
     def to_json(self) -> dict:
         return dict(dataclasses.asdict(self), kept_activations=self.kept_activations)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The blocks of one workload over the devices with their forecast (`_solve`): what a Plan is built
+    from, once, with the choices made around it (schedule, base compute)."""
+    stages: list[Stage]
+    offloaded_blocks: list[int]
+    boundary_mib: float
+    forecast_host_gib: float
+    crossing_bytes_per_step: int
+    swap_bytes_per_step: int
+    step_s: dict[str, list[float]]
+    predicted_step_s: float
+    recompute_saved_s: float
+
+    def fields(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
 def usable_bytes(device: Device) -> float:
@@ -121,9 +140,9 @@ class StageCosts:
         top = max(saving, default=1.0) or 1.0
         self.keep_order = sorted(range(len(spec.blocks)), key=lambda i: (
             -round(saving[i] / top, 9), self.kept[False][i] - self.kept[True][i], i))
-        # embedders and modulations are held like the blocks (1 byte each in fp8 weights), except under the
-        # 8-bit base, which quantises only the blocks' Linears: the rest stays as loaded (bf16 counted)
-        outside = ACT_BYTES if w.base_compute in cost.EIGHT_BIT_MODES else WEIGHT_BYTES[w.held_dtype]
+        # embedders and modulations are held like the blocks (1 byte each in fp8 weights), except under a
+        # quantised base, which quantises only the blocks' Linears: the rest stays as loaded (bf16 counted)
+        outside = ACT_BYTES if mode_named(w.base_compute).quantises else WEIGHT_BYTES[w.held_dtype]
         self.head = spec.head_params * outside + w.batch * w.text_tokens * spec.context_dim * ACT_BYTES
         self.tail = spec.tail_params * outside
         self.stage = lru_cache(maxsize=None)(self._stage)
@@ -306,7 +325,7 @@ def manual_cuts(ev: StageCosts, split: list[int]) -> list[int]:
 
 
 def _solve(spec: ArchSpec, devices: list[Device], w: Workload, grad_accum: int, in_flight: int,
-           split: list[int] | None = None):
+           split: list[int] | None = None) -> Layout | None:
     ev = StageCosts(spec, devices, w, in_flight)
     cuts = manual_cuts(ev, split) if split else best_split(ev)
     if cuts is None:
@@ -328,42 +347,65 @@ def _solve(spec: ArchSpec, devices: list[Device], w: Workload, grad_accum: int, 
     predicted = min(step_s["sequential"][m - 1], step_s["pipelined"][m - 1])
     recomputing, _, _ = _step_times(ev, all_recomputed)
     pinned = sum(ev.weight[i] for i in offloaded)
-    return dict(stages=stages, offloaded_blocks=offloaded, boundary_mib=round(ev.hidden / MIB, 2),
-                forecast_host_gib=round(cost.host_bytes(spec, pinned) / GIB, 2),
-                crossing_bytes_per_step=per_mb_crossing * grad_accum + shared,
-                swap_bytes_per_step=2 * sum(ev.weight[i] for i in offloaded) * grad_accum,
-                step_s=step_s, predicted_step_s=predicted, recompute=w.recompute,
-                recompute_saved_s=min(recomputing["sequential"][m - 1], recomputing["pipelined"][m - 1]) - predicted)
+    return Layout(stages=stages, offloaded_blocks=offloaded, boundary_mib=round(ev.hidden / MIB, 2),
+                  forecast_host_gib=round(cost.host_bytes(spec, pinned) / GIB, 2),
+                  crossing_bytes_per_step=per_mb_crossing * grad_accum + shared,
+                  swap_bytes_per_step=2 * sum(ev.weight[i] for i in offloaded) * grad_accum,
+                  step_s=step_s, predicted_step_s=predicted,
+                  recompute_saved_s=min(recomputing["sequential"][m - 1], recomputing["pipelined"][m - 1]) - predicted)
 
 
 def make_plan(spec: ArchSpec, devices: list[Device], w: Workload, grad_accum: int = 1,
               in_flight: int = 1, split: list[int] | None = None) -> Plan:
-    """The best plan (or the given `split`: blocks per device) with its forecast."""
+    """The best plan (or the given `split`: blocks per device) with its forecast, each stage holding the
+    activations of `in_flight` micro-batches; no schedule chosen (`plan_training` chooses one)."""
+    if w.base_compute == AUTO:                    # (callers that plan below plan_training)
+        w = workload_in_mode(w, choose_base_compute(spec, devices, w, grad_accum, split=split).base_compute)
+    return _plan(spec, devices, w, grad_accum, _arranged(spec, devices, w, grad_accum, in_flight, split),
+                 "sequential", in_flight)
+
+
+def _arranged(spec, devices, w, grad_accum, in_flight, split) -> Layout:
+    """The best layout (or the given split's), or PlanError saying what would fit."""
     if not devices:
         raise PlanError(f"no device to plan for: give at least one {setting('gpu')} (e.g. 16GiB, rtx4090, auto)")
-    if w.base_compute == "auto":                  # (callers that plan below plan_training)
-        w = eight_bit_workload(w, choose_base_compute(spec, devices, w, grad_accum, split=split).base_compute)
-    solved = _solve(spec, devices, w, grad_accum, in_flight, split)
-    if solved is None:
+    layout = _solve(spec, devices, w, grad_accum, in_flight, split)
+    if layout is None:
         raise PlanError(_explain_failure(spec, devices, w, grad_accum, in_flight))
+    return layout
+
+
+def _scheduled(spec, devices, w, grad_accum, schedule, split) -> tuple[Layout, str, int]:
+    """(layout, schedule, micro-batches in flight): `schedule` "auto" takes the fastest order for the
+    split, and the layout counts the activations of every micro-batch that order keeps in flight."""
+    layout = _arranged(spec, devices, w, grad_accum, 1, split)
+    chosen = best_schedule(layout, grad_accum) if schedule == "auto" else schedule
+    held = held_in_flight(chosen, len(devices), grad_accum)
+    if held > 1:
+        layout = _arranged(spec, devices, w, grad_accum, held, split)
+    return layout, chosen, held
+
+
+def _plan(spec, devices, w, grad_accum, layout: Layout, schedule: str, in_flight: int, note: str = "",
+          alternatives: list[dict] | None = None) -> Plan:
+    """The Plan of a layout, with the choices made for it, its one-GPU swap comparison and its verdict."""
     swap = None
     if len(devices) > 1:
         one = _solve(spec, devices[:1], w, grad_accum, in_flight)
         if one is not None:
-            swap = {"device": devices[0].label, "offloaded_blocks": one["offloaded_blocks"],
-                    "forecast_gib": one["stages"][0].forecast_gib,
-                    "predicted_step_s": one["predicted_step_s"],
-                    "swap_bytes_per_step": one["swap_bytes_per_step"]}
+            swap = {"device": devices[0].label, "offloaded_blocks": one.offloaded_blocks,
+                    "forecast_gib": one.stages[0].forecast_gib, "predicted_step_s": one.predicted_step_s,
+                    "swap_bytes_per_step": one.swap_bytes_per_step}
     # (the workload's "checkpointing" and "weight_dtype": the older names of recompute and held_dtype, for
     # readers of plan.json from before them)
-    workload = dict(dataclasses.asdict(w), checkpointing=w.recompute != "none", weight_dtype=w.held_dtype)
-    plan = Plan(model=spec.id, workload=workload, grad_accum=grad_accum,
-                block_paths=[b.path for b in spec.blocks], swap_forecast=swap, verdict="",
-                base_compute=w.base_compute, **solved,
-                assumed=[f"{d.label}: {memory_assumed(d)}; {speed_assumed(d)}" for d in devices
-                         if d.torch_device != "cpu"])
-    plan.verdict = verdict(plan, devices) + host_shortfall(plan, devices)
-    return plan
+    workload = dict(dataclasses.asdict(w), checkpointing=w.recompute != "none", weight_dtype=w.held_dtype,
+                    latent_frames=spec.latent_frames(w.frames))
+    said = verdict(layout, swap, devices) + host_shortfall(layout, w.base_compute, devices)
+    return Plan(model=spec.id, workload=workload, grad_accum=grad_accum, **layout.fields(), swap_forecast=swap,
+                verdict=said, block_paths=[b.path for b in spec.blocks], schedule=schedule, in_flight=in_flight,
+                base_compute=w.base_compute, base_compute_note=note, alternatives=alternatives or [],
+                recompute=w.recompute, assumed=[f"{d.label}: {memory_assumed(d)}; {speed_assumed(d)}"
+                                                for d in devices if d.torch_device != "cpu"])
 
 
 def plan_training(spec: ArchSpec, devices: list[Device], w: Workload, grad_accum: int = 1,
@@ -372,130 +414,129 @@ def plan_training(spec: ArchSpec, devices: list[Device], w: Workload, grad_accum
     and the micro-batch schedule, with the activations of every micro-batch that schedule keeps in
     flight counted in each stage's memory. `schedule` "auto" takes the fastest order for the split.
     `w.base_compute` "auto" picks the base's precision (`choose_base_compute`); a bf16 plan that swaps
-    blocks lists the 8-bit plans the devices could run instead (`Plan.alternatives`)."""
-    if w.base_compute == "auto":
+    blocks lists the quantised plans the devices could run instead (`Plan.alternatives`)."""
+    if w.base_compute == AUTO:
         return choose_base_compute(spec, devices, w, grad_accum, schedule, split)
-    _check_eight_bit(w.base_compute, devices)
-    plan = _plan_for_schedule(spec, devices, w, grad_accum, schedule, split)
-    if w.base_compute == "bf16" and plan.offloaded_blocks:
-        plan.alternatives = _eight_bit_alternatives(spec, devices, w, grad_accum, schedule, split)
-    return plan
+    _check_tensor_cores(w.base_compute, devices)
+    layout, chosen, held = _scheduled(spec, devices, w, grad_accum, schedule, split)
+    return _plan(spec, devices, w, grad_accum, layout, chosen, held,
+                 alternatives=_alternatives_to(w, layout, spec, devices, grad_accum, schedule, split))
 
 
-def _plan_for_schedule(spec, devices, w, grad_accum, schedule, split) -> Plan:
-    plan = make_plan(spec, devices, w, grad_accum=grad_accum, split=split)
-    chosen = best_schedule(plan, grad_accum) if schedule == "auto" else schedule
-    held = held_in_flight(chosen, len(devices), grad_accum)
-    if held > 1:
-        plan = make_plan(spec, devices, w, grad_accum=grad_accum, in_flight=held, split=split)
-    plan.schedule, plan.in_flight = chosen, held
-    return plan
+def _alternatives_to(w, layout, spec, devices, grad_accum, schedule, split) -> list[dict]:
+    """The quantised plans beside an exact base that swaps blocks (none otherwise)."""
+    if mode_named(w.base_compute).quantises or not layout.offloaded_blocks:
+        return []
+    return _quantised_alternatives(spec, devices, w, grad_accum, schedule, split)
 
 
-def _check_eight_bit(mode: str, devices: list[Device]) -> None:
-    """PlanError when a GPU lacks the tensor cores of the 8-bit `mode` asked for (an RTX 30 card has int8
-    but no fp8 ones); the CPU's emulation (tests) is not checked here."""
-    from ..compute.base_compute import eight_bit_mode
-    if mode == "bf16":
-        return
+def _check_tensor_cores(mode: str, devices: list[Device]) -> None:
+    """PlanError when a GPU lacks the tensor cores of the `mode` asked for (an RTX 30 card has int8 but no
+    fp8 ones); the CPU's emulation (tests) is not checked here."""
+    chosen = mode_named(mode)
     for d in devices:
-        if d.torch_device == "cpu" or d.compute_capability is None:
+        if d.torch_device == "cpu" or d.compute_capability is None or chosen.runs_on(d.compute_capability):
             continue
-        has = eight_bit_mode(d.compute_capability)
-        if has is None or (mode == "fp8" and has != "fp8"):
-            other = (f"{setting('base_compute', has)} runs on its {has} tensor cores, or " if has else "")
-            raise PlanError(f"base compute {mode} needs {mode} tensor cores and {d.label} has none (compute "
-                            f"capability {d.compute_capability[0]}.{d.compute_capability[1]}): {other}"
-                            f"{setting('base_compute', 'bf16')} computes in bf16")
+        has = fastest_mode_for([d.compute_capability])
+        other = (f"{setting('base_compute', has.name)} runs on its {has.name} tensor cores, or " if has else "")
+        raise PlanError(f"base compute {mode} needs {mode} tensor cores and {d.label} has none (compute "
+                        f"capability {d.compute_capability[0]}.{d.compute_capability[1]}): {other}"
+                        f"{setting('base_compute', EXACT.name)} computes in {EXACT.name}")
 
 
-def devices_eight_bit_mode(devices: list[Device]) -> str | None:
-    """The 8-bit mode every device runs on tensor cores (fp8 if all have it, else int8), or None."""
-    from ..compute.base_compute import eight_bit_mode
-    modes = {eight_bit_mode(d.compute_capability if d.torch_device != "cpu" else None) for d in devices}
-    if None in modes or not modes:
-        return None
-    return "int8" if "int8" in modes else "fp8"
+def devices_mode(devices: list[Device]):
+    """The tensor-core mode every device runs (the first in the modes' order), or None (a CPU among them)."""
+    return fastest_mode_for([d.compute_capability if d.torch_device != "cpu" else None for d in devices])
 
 
-def eight_bit_summary(devices: list[Device]) -> str:
+def auto_summary(devices: list[Device]) -> str:
     """One line for the Loader: which base compute auto would take on these devices where bf16 needs swap."""
-    mode = devices_eight_bit_mode(devices)
+    mode = devices_mode(devices)
     if mode is None:
-        return "base compute auto: bf16 (no 8-bit tensor cores on these devices)"
-    why = "fp8 tensor cores" if mode == "fp8" else "int8 tensor cores, no fp8 (Ampere)"
-    return f"base compute auto: bf16 where the model fits without block swap, else {mode} ({why})"
+        return f"base compute auto: {EXACT.name} (no tensor cores for {_mode_list()} on these devices)"
+    faster = [m.name for m in tensor_core_modes() if m.order < mode.order]     # (modes these devices lack)
+    lacking = f", no {' or '.join(faster)}" if faster else ""
+    return (f"base compute auto: {EXACT.name} where the model fits without block swap, else {mode.name} "
+            f"({mode.name} tensor cores{lacking})")
 
 
-def eight_bit_workload(w: Workload, mode: str) -> Workload:
-    """`w` with its base in `mode`: 1 byte a weight on the GPUs."""
-    return dataclasses.replace(w, base_compute=mode, held_dtype="fp8" if mode != "bf16" else w.held_dtype)
+def _mode_list() -> str:
+    names = [m.name for m in tensor_core_modes()]
+    return " or ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
 
 
-def _quality(mode: str) -> str:
-    from ..compute.base_compute import QUALITY_CHECK        # (base_compute imports torch)
-    return QUALITY_CHECK[mode]
+def workload_in_mode(w: Workload, mode: str) -> Workload:
+    """`w` with its base in `mode`, held as the mode holds it on the GPUs."""
+    return dataclasses.replace(w, base_compute=mode, held_dtype=mode_named(mode).held_dtype or w.held_dtype)
 
 
-def _eight_bit_alternatives(spec, devices, w, grad_accum, schedule, split) -> list[dict]:
-    """The 8-bit plans the devices can run, as rows: mode, memory, s/step, blocks swapped, quality."""
-    best = devices_eight_bit_mode(devices)
+def _quantised_alternatives(spec, devices, w, grad_accum, schedule, split) -> list[dict]:
+    """The quantised plans the devices can run, as rows: mode, memory, s/step, blocks swapped, quality."""
+    runs = [d.compute_capability if d.torch_device != "cpu" else None for d in devices]
     rows = []
-    for mode in ([best] if best == "int8" else ["fp8", "int8"]) if best else []:
+    for mode in tensor_core_modes():
+        if not all(mode.runs_on(c) for c in runs):
+            continue
         try:
-            alt = _plan_for_schedule(spec, devices, eight_bit_workload(w, mode), grad_accum, schedule, split)
+            alt, _, _ = _scheduled(spec, devices, workload_in_mode(w, mode.name), grad_accum, schedule, split)
         except PlanError:
             continue
-        rows.append({"base_compute": mode, "forecast_gib": max(s.forecast_gib for s in alt.stages),
+        rows.append({"base_compute": mode.name, "forecast_gib": max(s.forecast_gib for s in alt.stages),
                      "predicted_step_s": alt.predicted_step_s, "swapped_blocks": len(alt.offloaded_blocks),
-                     "swap_bytes_per_step": alt.swap_bytes_per_step, "quality": _quality(mode)})
+                     "swap_bytes_per_step": alt.swap_bytes_per_step, "quality": mode.quality})
     return rows
 
 
 def choose_base_compute(spec: ArchSpec, devices: list[Device], w: Workload, grad_accum: int = 1,
                         schedule: str = "auto", split: list[int] | None = None) -> Plan:
-    """base_compute = auto: bf16 wherever it fits without block swap (the exact base); otherwise the
-    8-bit base the devices have tensor cores for (fp8 from Ada/Hopper on, int8 on Ampere), which holds
-    and streams half the bytes, unless the forecast says it would be slower. The plan says which and why."""
+    """base_compute = auto: the exact base (bf16) wherever it fits without block swap; otherwise the first
+    tensor-core mode every device runs (fp8 from Ada/Hopper on, int8 on Ampere), which holds and streams
+    half the bytes, unless the forecast says it would be slower. The plan says which and why."""
+    exact = EXACT.name
+    w16 = dataclasses.replace(w, base_compute=exact)
     try:
-        plan16, error = plan_training(spec, devices, dataclasses.replace(w, base_compute="bf16"), grad_accum,
-                                      schedule, split), None
+        exact_layout, error = _scheduled(spec, devices, w16, grad_accum, schedule, split), None
     except PlanError as err:
-        plan16, error = None, err
-    if plan16 is not None and not plan16.offloaded_blocks:
-        plan16.base_compute_note = "base compute auto: bf16 (the model fits without block swap)"
-        return plan16
-    mode = devices_eight_bit_mode(devices)
-    plan8 = None
+        exact_layout, error = None, err
+
+    def exact_plan(why: str) -> Plan:
+        layout, chosen, held = exact_layout
+        return _plan(spec, devices, w16, grad_accum, layout, chosen, held, f"base compute auto: {exact} ({why})",
+                     _alternatives_to(w16, layout, spec, devices, grad_accum, schedule, split))
+    if exact_layout is not None and not exact_layout[0].offloaded_blocks:
+        return exact_plan("the model fits without block swap")
+    chosen_mode = devices_mode(devices)
+    mode = chosen_mode.name if chosen_mode else None
+    quantised = None
     if mode is not None:
         try:
-            plan8 = _plan_for_schedule(spec, devices, eight_bit_workload(w, mode), grad_accum, schedule, split)
+            quantised = _scheduled(spec, devices, workload_in_mode(w, mode), grad_accum, schedule, split)
         except PlanError:
             pass
-    if plan8 is None:
+    if quantised is None:
         if error is not None:
             raise error
-        why = (f"{mode} does not fit either" if mode else "these devices have no 8-bit tensor cores: fp8 needs "
-               "Ada/Hopper or newer, int8 Ampere or newer")
-        plan16.base_compute_note = f"base compute auto: bf16 ({why})"
-        return plan16
-    if plan16 is None:
-        plan8.base_compute_note = (f"base compute auto: {mode} (bf16 does not fit even with block swap; {mode} "
-                                   f"holds the base at 1 byte a weight; {_quality(mode)})")
-        return plan8
-    swaps8 = f"swaps {len(plan8.offloaded_blocks)} blocks" if plan8.offloaded_blocks else "fits without swap"
-    compared = (f"bf16 would swap {len(plan16.offloaded_blocks)} blocks at {plan16.predicted_step_s:.2f} s/step, "
-                f"{mode} {swaps8} at {plan8.predicted_step_s:.2f} s/step")
-    if plan8.predicted_step_s > plan16.predicted_step_s:
-        plan16.base_compute_note = f"base compute auto: bf16 ({compared}: bf16 is faster)"
-        return plan16
-    plan8.base_compute_note = f"base compute auto: {mode} ({compared}; {_quality(mode)})"
-    plan8.alternatives = [a for a in plan16.alternatives if a["base_compute"] != mode]
-    return plan8
+        return exact_plan(f"{mode} does not fit either" if mode else "these devices have no tensor cores for a "
+                          "quantised base: " + ", ".join(f"{m.name} needs {m.needs}" for m in tensor_core_modes()))
+    layout8, chosen8, held8 = quantised
+    if exact_layout is None:
+        return _plan(spec, devices, workload_in_mode(w, mode), grad_accum, layout8, chosen8, held8,
+                     f"base compute auto: {mode} ({exact} does not fit even with block swap; {mode} holds the base "
+                     f"at 1 byte a weight; {chosen_mode.quality})")
+    layout16 = exact_layout[0]
+    swaps8 = f"swaps {len(layout8.offloaded_blocks)} blocks" if layout8.offloaded_blocks else "fits without swap"
+    compared = (f"{exact} would swap {len(layout16.offloaded_blocks)} blocks at {layout16.predicted_step_s:.2f} "
+                f"s/step, {mode} {swaps8} at {layout8.predicted_step_s:.2f} s/step")
+    if layout8.predicted_step_s > layout16.predicted_step_s:
+        return exact_plan(f"{compared}: {exact} is faster")
+    others = [a for a in _alternatives_to(w16, layout16, spec, devices, grad_accum, schedule, split)
+              if a["base_compute"] != mode]
+    return _plan(spec, devices, workload_in_mode(w, mode), grad_accum, layout8, chosen8, held8,
+                 f"base compute auto: {mode} ({compared}; {chosen_mode.quality})", others)
 
 
 def alternatives_text(plan: Plan) -> list[str]:
-    """Lines for the plan's text: why auto chose, and the 8-bit plans beside a bf16 plan with swap."""
+    """Lines for the plan's text: why auto chose, and the quantised plans beside a bf16 plan with swap."""
     lines = [plan.base_compute_note] if plan.base_compute_note else []
     for a in plan.alternatives:
         swap = f"{a['swapped_blocks']} blocks swapped" if a["swapped_blocks"] else "no swap"
@@ -504,25 +545,25 @@ def alternatives_text(plan: Plan) -> list[str]:
     return lines
 
 
-def verdict(plan: Plan, devices: list[Device]) -> str:
-    busy = [s for s in plan.stages if s.blocks[1] > s.blocks[0]]
+def verdict(layout: Layout, swap: dict | None, devices: list[Device]) -> str:
+    """The plan in one or two sentences: where it runs, how fast, and against one GPU with swap (`swap`)."""
+    busy = [s for s in layout.stages if s.blocks[1] > s.blocks[0]]
     link = "/".join(sorted({d.link for d in devices}))
-    here = f"{plan.predicted_step_s:.2f} s/step"
+    here = f"{layout.predicted_step_s:.2f} s/step"
     if all(d.torch_device == "cpu" for d in devices):      # the cost model knows GPUs only
         return f"A CPU run ({', '.join(d.label for d in devices)}): fits, no step-time forecast."
     if len(devices) == 1:
-        if plan.offloaded_blocks:
-            return (f"One GPU with block swap: {here}, streaming {plan.swap_bytes_per_step / GIB:.1f} GiB "
+        if layout.offloaded_blocks:
+            return (f"One GPU with block swap: {here}, streaming {layout.swap_bytes_per_step / GIB:.1f} GiB "
                     f"per step over {devices[0].link}; a second GPU would keep those blocks resident.")
         return f"Fits on {devices[0].label} without swap: {here}."
-    split = (f"Split over {len(busy)} devices: {here}, {plan.crossing_bytes_per_step / MIB:.0f} MiB per step "
+    split = (f"Split over {len(busy)} devices: {here}, {layout.crossing_bytes_per_step / MIB:.0f} MiB per step "
              f"between GPUs ({link})")
-    if plan.offloaded_blocks:
-        split += f" plus {plan.swap_bytes_per_step / GIB:.1f} GiB of block swap"
-    swap = plan.swap_forecast
+    if layout.offloaded_blocks:
+        split += f" plus {layout.swap_bytes_per_step / GIB:.1f} GiB of block swap"
     if swap is None:
         return split + "; one GPU cannot train this even with block swap."
-    ratio = swap["predicted_step_s"] / plan.predicted_step_s
+    ratio = swap["predicted_step_s"] / layout.predicted_step_s
     if abs(ratio - 1) < 0.05:
         compare = "about the same speed (the swap hides behind compute; gradient accumulation lets the split pipeline)"
     else:
@@ -531,18 +572,18 @@ def verdict(plan: Plan, devices: list[Device]) -> str:
             f"{swap['swap_bytes_per_step'] / GIB:.1f} GiB per step. Split: {compare}.")
 
 
-def host_shortfall(plan: Plan, devices: list[Device]) -> str:
+def host_shortfall(layout: Layout, base_compute: str, devices: list[Device]) -> str:
     """For this machine's own GPUs: a sentence when the run's host memory peak exceeds the RAM available
     now, with what to change ('' when it fits, or for cards described by hand: their host is not this one)."""
     if not any((d.torch_device or "").startswith("cuda") for d in devices):
         return ""
     _, available = host_memory()
-    if not available or plan.forecast_host_gib * GIB <= available:
+    if not available or layout.forecast_host_gib * GIB <= available:
         return ""
-    fix = (f"base compute fp8 or int8 ({setting('base_compute', 'auto')}) holds half of the swapped blocks' "
-           "pinned copies" if plan.base_compute == "bf16" and plan.offloaded_blocks else
+    fix = (f"base compute {_mode_list()} ({setting('base_compute', AUTO)}) holds half of the swapped blocks' "
+           "pinned copies" if not mode_named(base_compute).quantises and layout.offloaded_blocks else
            "close other programs, or train at a lower resolution")
-    return (f" Host memory: the run needs {plan.forecast_host_gib:.1f} GiB at its peak and {available / GIB:.1f} GiB "
+    return (f" Host memory: the run needs {layout.forecast_host_gib:.1f} GiB at its peak and {available / GIB:.1f} GiB "
             f"is available now; {fix}.")
 
 

@@ -4,8 +4,6 @@ from __future__ import annotations
 import torch
 from PIL import Image, ImageDraw
 
-from ..arch.base import WAN_FPS
-
 
 def loss_curve(losses: list[float], width: int = 640, height: int = 360, smooth: int = 5) -> Image.Image:
     """Per-step loss (light) and its moving average (dark), with min/max labels."""
@@ -40,7 +38,7 @@ def to_pil(pixels: torch.Tensor) -> Image.Image:
     return Image.fromarray(arr)
 
 
-def save_animation(frames: list[Image.Image], path, fps: int = WAN_FPS) -> None:
+def save_animation(frames: list[Image.Image], path, fps: int) -> None:
     """An endlessly looping animated WebP (Pillow writes it; browsers and ComfyUI show it)."""
     frames[0].save(path, format="WEBP", save_all=True, append_images=frames[1:], duration=round(1000 / fps),
                    loop=0, lossless=False, quality=90)

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import torch
 
-from ..arch import get_spec
 from .cache import FeatureCache
 from .config import TrainConfig
 from .dataset import ImageItem, caption_dropout
@@ -19,17 +18,17 @@ from .objective import model_context
 from .video import load_folder
 
 
-def load_items(cfg: TrainConfig, log=print) -> list[ImageItem]:
-    """The run's dataset, read; `log` hears of every folder holding pictures of a kind it does not read."""
+def load_items(cfg: TrainConfig, spec, log=print) -> list[ImageItem]:
+    """The run's dataset for `spec`'s model, read; `log` hears of every folder holding pictures of a kind
+    it does not read, and of every picture with damaged metadata."""
     path = Path(cfg.dataset)
-    family = get_spec(cfg.model).family
     if cfg.dataset_root:                 # the nodes: checked again as it is read (a TOML may have changed)
         check_inside(path, cfg.dataset_root)
     if path.suffix == ".toml":
-        items = load_musubi_toml(path, cfg.trigger, family, cfg.frames, cfg.frame_stride, cfg.resolution)
+        items = load_musubi_toml(path, cfg.trigger, spec, cfg.frames, cfg.frame_stride, cfg.resolution, log)
     else:
-        items = load_folder(path, family, frames=cfg.frames, stride=cfg.frame_stride,
-                            resolution=cfg.resolution, repeats=cfg.repeats, trigger=cfg.trigger)
+        items = load_folder(path, spec, frames=cfg.frames, stride=cfg.frame_stride,
+                            resolution=cfg.resolution, repeats=cfg.repeats, trigger=cfg.trigger, log=log)
     folders = {Path(i.path).parent for i in items} | {Path(i.path) for i in items if Path(i.path).is_dir()}
     for folder in sorted(folders):                 # the dataset's folders, and each clip's folder of frames
         skipped = skipped_pictures(folder)
@@ -48,11 +47,11 @@ class Features:
     misses: int = 0
 
 
-def encode_features(cfg: TrainConfig, items, encoders, out: Path, log=print) -> Features:
-    """Every latent and caption embedding through the feature cache (and the sample prompts for runs
-    that sample); the encoders are released after, also on failure, so they leave the GPUs before
-    the DiT is placed."""
-    cache = FeatureCache(RunFolder(out, cfg.cache_dir).cache, encoders)
+def encode_features(cfg: TrainConfig, spec, items, encoders, out: Path, log=print) -> Features:
+    """Every latent and caption embedding for `spec`'s model through the feature cache (and the sample
+    prompts for runs that sample); the encoders are released after, also on failure, so they leave the
+    GPUs before the DiT is placed."""
+    cache = FeatureCache(RunFolder(out, cfg.cache_dir).cache, encoders, spec)
     try:
         latents = [cache.latent(item) for item in items]
         rng = random.Random(cfg.seed)

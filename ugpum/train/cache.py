@@ -3,7 +3,8 @@
 A key covers the image's content digest (a clip's, with its frames and stride; or the caption text),
 the bucket and the encoders' identity, so a changed image, clip, caption or encoder gives a new key
 (the stale entry is simply not used); a damaged file is rebuilt. Files are written under a temporary name and
-renamed. A clip's latent is [16, T', h, w] with T' = 1 + (frames - 1) / 4 (Wan's VAE).
+renamed. A clip's latent is [C, T', h, w] with T' the model's latent frames (`ArchSpec.latent_frames`; Wan's
+VAE: 1 + (frames - 1) / 4).
 The folder is checked writable before anything is computed, and each entry's size against the free
 space before it is written: either problem is one sentence naming the folder and the fix.
 """
@@ -15,11 +16,11 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from ..arch.base import latent_frames
+from ..arch import family_of
 from ..folders import check_writable
-from ..formats.atomic import atomic_path
+from ..formats.safetensors_writer import write_tensors
 from .dataset import ImageItem, load_bucketed_image
 from .encoders import Encoders
 from .video import ClipItem, content_digest, load_bucketed_clip
@@ -27,7 +28,7 @@ from .video import ClipItem, content_digest, load_bucketed_clip
 
 # How pictures are decoded (ugpum/train/pictures.py), in every latent's key: a change in decoding (2: high
 # bit depths scaled, transparency laid over white) makes new latents rather than reusing stale ones.
-PIXELS = b"pixels=2"
+PIXELS = b"pixels=3"
 # What a full disk during caching keeps (said in the DiskFull sentence).
 KEPT = "the features cached so far are kept (or set cache_dir to a folder on another disk)"
 
@@ -35,10 +36,10 @@ KEPT = "the features cached so far are kept (or set cache_dir to a folder on ano
 class FeatureCache:
     KINDS = ("latents", "text")          # a subfolder each
 
-    def __init__(self, folder: str | Path, encoders: Encoders, setting: str = "cache_dir"):
+    def __init__(self, folder: str | Path, encoders: Encoders, spec, setting: str = "cache_dir"):
         self.folder = check_writable(folder, setting, "set cache_dir to a folder you can write in, or make "
                                                       "this one writable")
-        self.encoders = encoders
+        self.encoders, self.spec = encoders, spec
         self.hits = 0
         self.misses = 0
 
@@ -61,8 +62,7 @@ class FeatureCache:
         tensor = compute().detach().cpu().contiguous()
         path.parent.mkdir(parents=True, exist_ok=True)
         needed = tensor.numel() * tensor.element_size() + 1024
-        with atomic_path(path, needed=needed, kept=KEPT) as tmp:
-            save_file({"value": tensor}, str(tmp), metadata={"encoders": self.encoders.identity})
+        write_tensors(path, {"value": tensor}, {"encoders": self.encoders.identity}, needed=needed, kept=KEPT)
         self.misses += 1
         return tensor
 
@@ -75,10 +75,11 @@ class FeatureCache:
     def clip_latent(self, item: ClipItem) -> torch.Tensor:
         def encode() -> torch.Tensor:
             latent = self.encoders.encode_video(load_bucketed_clip(item))[0]
-            expected = latent_frames(item.frames)
+            expected = self.spec.latent_frames(item.frames)
             if latent.dim() != 4 or latent.shape[1] != expected:
                 raise ValueError(f"clip {item.path}: the VAE gave a latent of shape {tuple(latent.shape)} for "
-                                 f"{item.frames} frames, not [C, {expected}, h, w]; connect the Wan 2.1 VAE")
+                                 f"{item.frames} frames, not [C, {expected}, h, w]; connect the "
+                                 f"{family_of(self.spec).title} VAE")
             return latent
         key = self._key(content_digest(item.path), repr(item.bucket).encode(),
                         f"frames={item.frames} stride={item.stride}".encode(), PIXELS)

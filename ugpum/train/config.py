@@ -12,6 +12,7 @@ from ..arch import Workload, get_spec, model_ids
 from ..arch.base import RECOMPUTE_SETTINGS
 from ..placement.schedules import ALL_SETTINGS as SCHEDULE_SETTINGS
 from ..compute.dtypes import TRAINING_DTYPES
+from ..compute.modes import SETTINGS as BASE_COMPUTE_SETTINGS, held_dtype
 from ..diffusion.flow import TIMESTEP_METHODS
 from ..wording import EngineError, quoted, setting
 
@@ -168,7 +169,7 @@ class TrainConfig:
     stand_in_encoders: bool = False       # fixed random encoders instead of a VAE/text encoder
                                           # (tiny models, benchmarks on random weights)
     compile: str = "auto"                 # compiled blocks (ugpum/compute/compile.py): auto (CUDA with Triton) | on | off
-    base_compute: str = "bf16"            # the frozen base's matmuls: bf16 | fp8 | int8 (ugpum/compute/base_compute.py)
+    base_compute: str = "bf16"            # the frozen base's matmuls: auto | bf16 | fp8 | int8 (ugpum/compute/modes/)
 
     def validate(self) -> "TrainConfig":
         """Every setting's type, then its range (against the model where it matters), as one sentence
@@ -225,7 +226,7 @@ class TrainConfig:
         problem = file_name_problem(self.output_name, f"_step{self.steps}.safetensors")
         need(not problem, "output_name", problem)
         need(self.compile in ("auto", "on", "off"), "compile", "auto, on or off")
-        need(self.base_compute in ("auto", "bf16", "fp8", "int8"), "base_compute", "auto, bf16, fp8 or int8")
+        need(self.base_compute in BASE_COMPUTE_SETTINGS, "base_compute", ", ".join(BASE_COMPUTE_SETTINGS))
         need(self.recompute in RECOMPUTE_SETTINGS, "recompute", "auto (the planner keeps the activations the "
              "memory holds), all (every block recomputed in backward) or none")
         if self.dataset_root is not None and self.dataset:
@@ -240,9 +241,9 @@ class TrainConfig:
 
     def workload(self) -> Workload:
         """One step's shape, as the planner sees it (text at ComfyUI's padded 512 tokens). An 8-bit
-        base_compute holds the base weights at 1 byte each on the GPUs, as fp8 weights are. compile=auto
+        base_compute holds the base weights as its mode does (an 8-bit one: 1 byte each, as fp8 weights). compile=auto
         is planned as compiled (what it does on a CUDA GPU with Triton; it says so where it cannot)."""
-        held = "fp8" if self.base_compute in ("fp8", "int8") else self.weight_dtype     # (auto: the planner's)
+        held = held_dtype(self.base_compute, self.weight_dtype)          # (auto: the planner's)
         return Workload(width=self.resolution, height=self.resolution, frames=self.frames, batch=self.batch,
                         rank=self.rank, recompute=self.recompute, held_dtype=held,
                         compiled=self.compile != "off", base_compute=self.base_compute)
@@ -253,7 +254,8 @@ from ..catalog.profiles import PROFILES  # noqa: E402,F401 (the built-in profile
 
 
 def load_config(profile: str = "", toml_file: str | Path = "", overrides: dict | None = None) -> TrainConfig:
-    """Profile defaults, then a TOML file's keys (top level or [train]), then explicit overrides."""
+    """Profile defaults, then a TOML file's keys (top level and [train]: `file_settings`), then explicit
+    overrides."""
     values: dict = {}
     if profile:
         if profile not in PROFILES:
@@ -265,15 +267,59 @@ def load_config(profile: str = "", toml_file: str | Path = "", overrides: dict |
             data = tomllib.loads(path.read_text(encoding="utf-8-sig"))   # (a BOM, as Notepad writes one, is no TOML)
         except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
             raise ConfigError(f"{path}: cannot read the config ({e})") from None
-        table = data.get("train", data)
-        if not isinstance(table, dict):
-            raise ConfigError(f"{path}: [train] must be a table of settings (train.steps = 50, ...), "
-                              f"not {type(table).__name__}")
-        _refuse_unknown(table, str(path))
-        values.update(_recompute_from_switch(table, str(path)))
+        values.update(_recompute_from_switch(file_settings(data, path), str(path)))
     values.update(_recompute_from_switch({k: v for k, v in (overrides or {}).items() if v is not None}))
     _refuse_unknown(values, "the settings")
     return TrainConfig(**values).validate()
+
+
+def file_settings(data: dict, path: Path) -> dict:
+    """Every setting a config file holds, each read or refused by name: the keys of [train] and those at
+    the top of the file (with or without a [train] table; a key in both places is refused), unknown keys
+    with the setting they most likely mean, and any other table with where its keys belong."""
+    table = data.get("train", {})
+    if not isinstance(table, dict):
+        raise ConfigError(f"{path}: [train] must be a table of settings (train.steps = 50, ...), "
+                          f"not {type(table).__name__}")
+    top = {k: v for k, v in data.items() if k != "train"}
+    tables = [_table_name(k, v) for k, v in top.items() if _is_table(v)]
+    tables += [_table_name(f"train.{k}", v) for k, v in table.items() if _is_table(v)]
+    if tables:
+        raise ConfigError(f"{path}: {_tables_note(sorted(tables))}")
+    twice = sorted(set(top) & set(table))
+    if twice:
+        shown = ", ".join(f"{k} ({quoted(top[k])} at the top, {quoted(table[k])} in [train])" for k in twice)
+        raise ConfigError(f"{path}: {'settings' if len(twice) > 1 else 'setting'} {shown} given twice; keep each "
+                          "in one place")
+    _refuse_unknown(top, f"{path} (at the top of the file)" if table else str(path))
+    _refuse_unknown(table, f"{path} [train]")
+    return {**top, **table}
+
+
+def _is_table(value) -> bool:
+    return isinstance(value, dict) or (isinstance(value, list) and bool(value) and
+                                       all(isinstance(v, dict) for v in value))
+
+
+def _table_name(key: str, value) -> str:
+    return f"[[{key}]]" if isinstance(value, list) else f"[{key}]"
+
+
+# The tables of a musubi-tuner dataset config, given where a training config belongs.
+_DATASET_TABLES = {"[general]", "[[datasets]]", "[datasets]"}
+
+
+def _tables_note(tables: list[str]) -> str:
+    """What a config file's tables other than [train] are, and the fix."""
+    many = len(tables) > 1
+    if set(tables) <= _DATASET_TABLES:
+        return (f"{' and '.join(tables)} {'are the tables' if many else 'is a table'} of a musubi-tuner dataset "
+                f"config: give this file as {setting('dataset')}, and the run's settings in [train] of a config")
+    guesses = [f"{t} (did you mean [train]?)" if difflib.get_close_matches(t.strip("[]").lower(), ["train"], cutoff=0.6)
+               else t for t in tables]
+    return (f"{'tables' if many else 'table'} {', '.join(guesses)} {'are' if many else 'is'} not read: the settings "
+            "are the keys of [train] (or the top of the file); move the keys you mean there, each a setting of "
+            "docs/train_config_example.toml")
 
 
 # The older on/off switch (and other trainers' name for it), read as recompute: true = all, false = none.

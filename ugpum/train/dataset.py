@@ -277,11 +277,13 @@ def load_image_folder(
     enable_bucket: bool = True,
     bucket_no_upscale: bool = False,
     batch_size: int = 1,
+    log=print,
 ) -> list[ImageItem]:
     """Every image in `folder` (not its subfolders) with its caption and bucket.
 
     Each image appears `repeats` times. `trigger` is put in front of captions that do
     not already contain it. Without bucketing every image is cropped to `resolution`.
+    `log` hears of an image with damaged metadata.
     """
     folder = Path(folder)
     where, caption_ext, resolution, repeats, batch_size = checked_folder_settings(
@@ -298,7 +300,7 @@ def load_image_folder(
     items = []
     for image_path in image_paths:
         caption = _with_trigger(caption_for(image_path, image_path.with_suffix(caption_ext)), trigger)
-        size = image_size(image_path)                   # header only: the pixels are decoded once, for the latent
+        size = image_size(image_path, log)              # header only: the pixels are decoded once, for the latent
         bucket = fixed or bucket_for(size, resolution, bucket_no_upscale, f"image {image_path}")
         items.extend(ImageItem(image_path, caption, bucket, batch_size) for _ in range(repeats))
     return items

@@ -45,21 +45,23 @@ class StandInEncoders:
         return z.unsqueeze(2) if self.spec.takes_clips else z          # a clip family's latents have a time axis
 
     def encode_video(self, frames: torch.Tensor) -> torch.Tensor:
-        """Wan's time compression in miniature: latent frame 0 from frame 0 alone, each later latent
-        frame from the mean of the next four frames (so T' = 1 + (T - 1) / 4, as with the real VAE)."""
-        if not self.spec.takes_clips or (frames.shape[0] - 1) % 4:
-            raise ValueError(f"stand-in video encoding is Wan's: 4k+1 frames, got {frames.shape[0]} "
-                             f"for {self.spec.family}")
-        groups = [frames[:1]] + [frames[i:i + 4] for i in range(1, frames.shape[0], 4)]
+        """A causal video VAE's time compression in miniature (ArchSpec.latent_frames): latent frame 0 from
+        frame 0 alone, each later latent frame from the mean of the next `frames_per_latent` frames (Wan: 4)."""
+        spec = self.spec
+        problem = spec.frames_error(frames.shape[0]) if spec.takes_clips else f"{spec.id} takes no clips"
+        if problem:
+            raise ValueError(f"stand-in video encoding of {frames.shape[0]} frames: {problem}")
+        n = spec.frames_per_latent
+        groups = [frames[:1]] + [frames[i:i + n] for i in range(1, frames.shape[0], n)]
         latent = torch.cat([self.encode_images(g.float().mean(0, keepdim=True)) for g in groups], dim=2)
-        return latent                                                   # [1, 16, T', h, w]
+        return latent                                                   # [1, C, T', h, w]
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         if latents.dim() == 5:                    # one clip: latent frame 0 is frame 0, each later one
-            if latents.shape[0] != 1:             # stands for the four frames it was averaged from
+            if latents.shape[0] != 1:             # stands for the frames it was averaged from
                 raise ValueError(f"decode takes one clip's latent [1,C,T',h,w], got {tuple(latents.shape)}")
             frames = self.decode(latents[0].movedim(1, 0))
-            return torch.cat([frames[:1], frames[1:].repeat_interleave(4, dim=0)])
+            return torch.cat([frames[:1], frames[1:].repeat_interleave(self.spec.frames_per_latent, dim=0)])
         pixels = torch.einsum("bchw,pc->bphw", latents.float() / 2.0, self.project)
         return F.pixel_shuffle(pixels, self.factor).clamp(-1, 1)
 

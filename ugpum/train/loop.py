@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from ..arch import get_spec
+from ..arch import ArchSpec, get_spec
 from ..compute.compile import compile_stats
 from ..formats.atomic import append_line, write_json_atomic
 from ..planning.plan import Plan
@@ -29,7 +29,8 @@ from .divergence import check_step
 from .engine import Stepper
 from .errors import RunExists, TrainingError  # noqa: F401 (the engine's errors, importable from here)
 from .objective import validation_picks
-from .prepare import lr_factor, make_optimizer, plan_for, prepare_model  # noqa: F401 (bench, tests)
+from .prepare import make_optimizer, plan_for, prepare_model  # noqa: F401 (bench, tests)
+from .lr_schedule import lr_factor
 from .progress import Progress
 from .run.folder import OpenedRun, earlier_run, keep_metrics_until, open_run  # noqa: F401 (the nodes)
 from .run.lock import hold_run_folder
@@ -76,14 +77,14 @@ def _quiet(*_args, **_kwargs) -> None:
 
 def train(cfg: TrainConfig, out: str | Path, model: torch.nn.Module, encoders, key_prefix: str = "",
           resume: bool = False, overwrite: bool = False, plan: Plan | None = None, stepper: Stepper | None = None,
-          inputs: dict | None = None, **hooks) -> TrainResult:
+          inputs: dict | None = None, spec: ArchSpec | None = None, **hooks) -> TrainResult:
     """Train `cfg`'s LoRA on `model` (ComfyUI's DiT module, on the meta device to be streamed from
-    `cfg.model_file`, or with weights) with `encoders`, into `out`. `plan`: the one the Partition
-    Planner showed; None plans here, with the same function. `resume` continues the run in `out` (only
-    the same run); a new run never replaces an earlier one unless `overwrite`. `stepper`: the engine
-    (`engine.Stepper`; default: this process, `OneProcessStepper`). `inputs`: what the front end loaded
-    the run from (file paths, JSON-ready), recorded in each checkpoint so that a resume can load the
-    same. `hooks`: `Hooks`' fields. Every way the run ends keeps every completed step: a checkpoint, and
+    `cfg.model_file`, or with weights) with `encoders`, into `out`. `spec`: the model's (the front end's,
+    passed along from here; None: `cfg.model`'s). `plan`: the one the Partition Planner showed; None plans
+    here, with the same function. `resume` continues the run in `out` (only the same run); a new run never
+    replaces an earlier one unless `overwrite`. `stepper`: the engine (`engine.Stepper`; default: this
+    process, `OneProcessStepper`). `inputs`: what the front end loaded the run from (file paths,
+    JSON-ready), recorded in each checkpoint so that a resume can load the same. `hooks`: `Hooks`' fields. Every way the run ends keeps every completed step: a checkpoint, and
     the LoRA so far. The run folder is locked for the run's life (another run into it is refused), and
     SIGTERM stops every phase as Ctrl-C does."""
     hooks["log"] = hooks.get("log") or print_plain
@@ -93,22 +94,23 @@ def train(cfg: TrainConfig, out: str | Path, model: torch.nn.Module, encoders, k
             held.enter_context(hold_run_folder(out, log))
         held.enter_context(stop_on_sigterm())
         try:
-            return _train(cfg, out, model, encoders, key_prefix, resume, overwrite, stepper, inputs, hooks)
+            return _train(cfg, spec or get_spec(cfg.model), out, model, encoders, key_prefix, resume, overwrite,
+                          stepper, inputs, hooks)
         except KeyboardInterrupt as stop:                # before or between the steps' own saves
             if stepper.lead and not getattr(stop, "told", False):
                 log(stopped_note(out, resume))
             raise
 
 
-def _train(cfg: TrainConfig, out: Path, model, encoders, key_prefix: str, resume: bool, overwrite: bool,
-           stepper: Stepper, inputs: dict | None, hooks: dict) -> TrainResult:
-    spec, h = get_spec(cfg.model), Hooks(**hooks)
+def _train(cfg: TrainConfig, spec: ArchSpec, out: Path, model, encoders, key_prefix: str, resume: bool,
+           overwrite: bool, stepper: Stepper, inputs: dict | None, hooks: dict) -> TrainResult:
+    h = Hooks(**hooks)
     say = h.log if stepper.lead else _quiet
 
     # 1. on the lead: the data, whether this run may start or continue here, the features, the plan
     def begin():
         run = open_run(cfg, spec, out, resume, overwrite, h.log, inputs)
-        features = encode_features(cfg, run.items, stepper.encoders(encoders), out, h.log)
+        features = encode_features(cfg, spec, run.items, stepper.encoders(encoders), out, h.log)
         chosen = stepper.make_plan(cfg, spec)
         write_json_atomic(run.files.plan, stepper.plan_record(chosen))
         return run, features, chosen
@@ -141,7 +143,7 @@ def _train(cfg: TrainConfig, out: Path, model, encoders, key_prefix: str, resume
 class RunState:
     """One run while it steps: what it trains with, and how far it got."""
     cfg: TrainConfig
-    spec: object
+    spec: ArchSpec
     run: OpenedRun
     features: Features
     plan: Plan

@@ -22,8 +22,8 @@ import math
 import tomllib
 from pathlib import Path
 
-from ..arch import family_named
-from ..arch.base import WAN_FPS
+from ..arch import FAMILIES, family_of
+from ..arch.base import ArchSpec
 from ..folders import read_fix, read_reason
 from ..wording import setting
 from .dataset import (DatasetError, ImageItem, Resolution, _check_bool, _check_caption_ext, _check_positive_int,
@@ -32,7 +32,9 @@ from .dataset import (DatasetError, ImageItem, Resolution, _check_bool, _check_c
 _COMMON_KEYS = {"caption_extension", "resolution", "batch_size", "num_repeats", "enable_bucket", "bucket_no_upscale"}
 _IMAGE_KEYS = {"image_directory"}
 _VIDEO_KEYS = {"video_directory", "target_frames", "frame_extraction", "source_fps"}
-_IGNORED_KEYS = {"cache_directory", "debug_dataset"}     # musubi-tuner's own cache and debug view
+# musubi-tuner's own cache and debug view: read, and said to have no effect here (`_said_ignored`)
+_IGNORED_KEYS = {"cache_directory": "musubi-tuner's latent cache (UGPUM caches features in the run's cache_dir)",
+                 "debug_dataset": "musubi-tuner's dataset viewer"}
 _REFUSED_KEYS = {
     "image_jsonl_file": "metadata JSONL files are not supported; use image_directory with caption files",
     "video_jsonl_file": "metadata JSONL files are not supported; use video_directory with caption files",
@@ -48,23 +50,35 @@ _DEFAULTS = {
 
 
 def _check_table_keys(table: dict, allowed: set[str], where: str) -> None:
+    """Refuse a key that `where` may not hold, naming it and why (musubi-tuner's own keys pass)."""
     for key in table:
         if key in _REFUSED_KEYS:
             raise DatasetError(f"{where}: {key!r}: {_REFUSED_KEYS[key]}")
         if key in _VIDEO_KEYS | _IMAGE_KEYS and key not in allowed:
             raise DatasetError(f"{where}: {key!r} belongs in each [[datasets]] table, not in [general]")
-        if key not in allowed | _IGNORED_KEYS:
+        if key not in allowed | _IGNORED_KEYS.keys():
             raise DatasetError(f"{where}: unknown key {key!r}; allowed keys are {', '.join(sorted(allowed))}")
 
 
-def load_musubi_toml(path: Path | str, trigger: str = "", family: str = "flux2", frames: int = 1,
-                     stride: int = 1, resolution: Resolution | None = None) -> list[ImageItem]:
-    """Items of every [[datasets]] entry, in order. `family`, `frames`, `stride` and `resolution` are
-    the run's: clips need Wan ("wan"); `frames` is the longest clip length allowed and target_frames'
-    default; `stride` applies to video datasets without source_fps; no bucket may exceed
-    `resolution`'s area (None: no limit). A relative directory is taken from the TOML's folder."""
+def _said_ignored(path: Path, general: dict, datasets: list[dict], log) -> None:
+    """musubi-tuner's own keys in the file: read, and said to change nothing here (never dropped unsaid)."""
+    found = sorted({key for table in (general, *datasets) for key in table if key in _IGNORED_KEYS})
+    if found:
+        what = "; ".join(f"{key}: {_IGNORED_KEYS[key]}" for key in found)
+        log(f"note: dataset config {path}: {', '.join(found)} {'change' if len(found) > 1 else 'changes'} nothing "
+            f"in UGPUM ({what}); the run trains as without {'them' if len(found) > 1 else 'it'}")
+
+
+def load_musubi_toml(path: Path | str, trigger: str = "", spec: ArchSpec | None = None, frames: int = 1,
+                     stride: int = 1, resolution: Resolution | None = None, log=print) -> list[ImageItem]:
+    """Items of every [[datasets]] entry, in order. `spec`, `frames`, `stride` and `resolution` are
+    the run's: clips need a model that takes them (None: images only); `frames` is the longest clip
+    length allowed and target_frames' default; `stride` applies to video datasets without source_fps;
+    no bucket may exceed `resolution`'s area (None: no limit). A relative directory is taken from the
+    TOML's folder. `log` hears of musubi-tuner's own keys, which change nothing here."""
     path = Path(path)
     general, datasets = _read(path)
+    _said_ignored(path, general, datasets, log)
     items: list[ImageItem] = []
     for index, dataset in enumerate(datasets):
         where = f"dataset config {path} [[datasets]] #{index + 1}"
@@ -78,6 +92,7 @@ def load_musubi_toml(path: Path | str, trigger: str = "", family: str = "flux2",
             enable_bucket=_check_bool(settings["enable_bucket"], "enable_bucket", where),
             bucket_no_upscale=_check_bool(settings["bucket_no_upscale"], "bucket_no_upscale", where),
             batch_size=_check_positive_int(settings["batch_size"], "batch_size", where),
+            log=log,
         )
         if common["batch_size"] != 1:
             raise DatasetError(f"{where}: batch_size = {common['batch_size']}: UGPUM takes the batch from the run "
@@ -90,7 +105,7 @@ def load_musubi_toml(path: Path | str, trigger: str = "", family: str = "flux2",
                                f"{where}: image_directory or video_directory is missing; set one to the folder "
                                "of images or clips")
         if has_clips:
-            found = _video_dataset(path, settings, where, common, family, frames, stride)
+            found = _video_dataset(path, settings, where, common, spec, frames, stride)
         else:
             video_only = sorted(_VIDEO_KEYS & dataset.keys())
             if video_only:
@@ -170,46 +185,52 @@ def _directory(settings: dict, key: str, where: str) -> str:
     return directory
 
 
-def _video_dataset(path: Path, settings: dict, where: str, common: dict, family: str, frames: int,
+def _video_dataset(path: Path, settings: dict, where: str, common: dict, spec: ArchSpec | None, frames: int,
                    stride: int) -> list[ImageItem]:
     from .video import check_frames, clip_items
-    if not family_named(family).takes_clips:
-        raise DatasetError(f"{where}: video_directory trains Wan 2.1 models only; this run's model is "
-                           f"{family}: use a Wan 2.1 model, or an image_directory")
+    if spec is None or not spec.takes_clips:
+        titles = " or ".join(f.title for f in FAMILIES if f.takes_clips)
+        model = f"this run's model is {spec.family}" if spec else "this run's model takes images only"
+        raise DatasetError(f"{where}: video_directory trains {titles} models only; {model}: use a {titles} model, "
+                           "or an image_directory")
     folder = path.parent / _directory(settings, "video_directory", where)
     extraction = settings.get("frame_extraction", "head")
     if extraction != "head":
         raise DatasetError(f"{where}: frame_extraction = {extraction!r}: UGPUM takes each clip's first frames "
                            "(\"head\") only; set frame_extraction = \"head\" or remove it")
     if "source_fps" in settings:
-        stride, stride_setting = _stride_from_fps(settings["source_fps"], where), f"{where}'s source_fps"
+        stride, stride_setting = _stride_from_fps(settings["source_fps"], where, spec), f"{where}'s source_fps"
     else:
         stride_setting = "the frame stride"
     if "target_frames" not in settings and frames == 1:
-        raise DatasetError(f"{where}: a video_directory, but this run's frames is 1; set frames to 4k+1 (e.g. 17) "
-                           "to train on clips, or target_frames = [1] to train on their first frames")
+        raise DatasetError(f"{where}: a video_directory, but this run's frames is 1; set frames to a count the model "
+                           f"takes (e.g. {spec.frames_within(17)}) to train on clips, or target_frames = [1] to train "
+                           "on their first frames")
     targets = settings.get("target_frames", [frames])
     if not isinstance(targets, list) or not targets:
         raise DatasetError(f"{where}: target_frames must be a list of frame counts such as [1, 17], got {targets!r}")
     items: list[ImageItem] = []
-    checked = [check_frames(target, f"{where} target_frames") for target in targets]
+    checked = [check_frames(target, f"{where} target_frames", spec) for target in targets]
     for target in dict.fromkeys(checked):                   # each value once, as musubi-tuner takes them
         if target > frames:
             raise DatasetError(f"{where}: target_frames holds {target}, more than the {frames} frames this run "
                                f"is planned for; set frames to {target} ({setting('frames', target)}), or "
                                "lower target_frames")
-        items += clip_items(folder, target, stride, **common, settings=(f"{where}'s target_frames", stride_setting))
+        items += clip_items(folder, spec, target, stride, **common,
+                            settings=(f"{where}'s target_frames", stride_setting))
     return items
 
 
-def _stride_from_fps(source_fps, where: str) -> int:
-    """Every n-th frame brings a `source_fps` clip to Wan's 16 fps; only whole n are taken."""
+def _stride_from_fps(source_fps, where: str, spec: ArchSpec) -> int:
+    """Every n-th frame brings a `source_fps` clip to the model's frame rate (Wan: 16 fps); only whole n are taken."""
+    fps = spec.frame_rate
     if (isinstance(source_fps, bool) or not isinstance(source_fps, (int, float)) or not math.isfinite(source_fps)
-            or source_fps < WAN_FPS):
-        raise DatasetError(f"{where}: source_fps must be a frame rate of at least {WAN_FPS:g}, got {source_fps!r}")
-    stride = round(source_fps / WAN_FPS)
-    if abs(source_fps / WAN_FPS - stride) > 0.01:
-        raise DatasetError(f"{where}: source_fps = {source_fps:g} is not a whole multiple of Wan's {WAN_FPS:g} fps, "
-                           "so UGPUM cannot drop frames evenly; convert the clips (e.g. ffmpeg -i IN -r 16 OUT.mp4) "
-                           "and remove source_fps, or use 16/32/48 fps clips")
+            or source_fps < fps):
+        raise DatasetError(f"{where}: source_fps must be a frame rate of at least {fps:g}, got {source_fps!r}")
+    stride = round(source_fps / fps)
+    if abs(source_fps / fps - stride) > 0.01:
+        raise DatasetError(f"{where}: source_fps = {source_fps:g} is not a whole multiple of "
+                           f"{family_of(spec).title}'s {fps:g} fps, so UGPUM cannot drop frames evenly; convert the "
+                           f"clips (e.g. ffmpeg -i IN -r {fps} OUT.mp4) and remove source_fps, or use "
+                           f"{fps}/{2 * fps}/{3 * fps} fps clips")
     return stride

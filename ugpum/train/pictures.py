@@ -7,10 +7,15 @@ Pillow opens pictures in many modes; `convert("RGB")` alone is right for only so
 - 32-bit integer and floating-point greyscale (TIFF): scaled by the range the file states (the TIFF's
   bit depth, or its SMinSampleValue/SMaxSampleValue); floats without stated range by the 0..1 every
   float picture convention uses, when the values lie there; refused by name otherwise;
-- transparency (RGBA, LA, PA, a palette or a single colour marked transparent): laid over white, as a
-  viewer shows it on a white page (the colour under a transparent pixel is whatever the editor left);
+- transparency (RGBA, LA, PA, a palette or a single colour marked transparent, at any bit depth: a PNG's
+  tRNS colour is matched at the file's own depth, where Pillow matches 2- and 4-bit greys against rescaled
+  pixels, drops it for 16-bit grey and matches 16-bit RGB at 8 bits): laid over white, as a viewer shows it
+  on a white page (the colour under a transparent pixel is whatever the editor left);
 - CMYK: through its embedded ICC profile when it has one (Pillow's own conversion otherwise);
-- EXIF orientation: turned upright first, in every mode;
+- EXIF orientation: turned upright, in every mode, by the one orientation both the bucket (from the
+  header) and the pixels use, wherever the file holds it (a PNG's eXIf, raw EXIF profile or XMP after its
+  pixels counts: png_chunks.py reads it without decoding them);
+- damaged metadata: one note naming the file (`image_size`'s log), never a library's raw warning;
 - anything else Pillow opens (1-bit, palette, LAB, YCbCr, ...): Pillow's conversion; a mode without
   one is refused by name.
 Animated pictures (GIF, WebP) train on their first frame. Files with a picture extension UGPUM does not
@@ -31,6 +36,7 @@ import torch
 from PIL import Image, UnidentifiedImageError, features
 
 from ..folders import read_fix, read_reason
+from . import png_chunks
 from .errors import DatasetError
 
 
@@ -119,20 +125,42 @@ def opened(path: Path) -> Iterator[Image.Image]:
         yield image
 
 
-def _orientation(image: Image.Image) -> int:
-    """The EXIF orientation a header gives (1: upright). A PNG's EXIF is read only when it precedes the
-    pixels: Pillow would decode the whole image to look for one after them."""
-    if image.format == "PNG" and "exif" not in image.info:
-        return 1
-    return _loaded_orientation(image)
+ORIENTATION = 0x0112
 
 
-def _loaded_orientation(image: Image.Image) -> int:
-    """The EXIF orientation of a decoded picture (a PNG's EXIF after its pixels counts too)."""
+def _orientation(image: Image.Image, path: Path) -> int:
+    """The EXIF orientation of an opened picture (1: upright), from its header before any pixel is decoded,
+    the same for its bucket and its pixels; for a PNG wherever the file holds it. Metadata that cannot be
+    read counts as upright (Pillow's warnings about it are the caller's: `_watched`)."""
     try:
-        return int(image.getexif().get(0x0112, 1))
-    except Exception:  # noqa: BLE001 - a damaged EXIF block is ignored, as exif_transpose does
+        if image.format == "PNG":
+            probe = Image.new("L", (1, 1))               # Pillow's own reading of what the file holds
+            probe.info.update(png_chunks.orienting_metadata(path))
+            found = probe.getexif().get(ORIENTATION, 1)
+        else:
+            found = image.getexif().get(ORIENTATION, 1)
+    except Exception as error:  # noqa: BLE001 - a damaged EXIF block: said as such, read as upright
+        warnings.warn(f"its EXIF block cannot be read ({error})", stacklevel=2)
         return 1
+    if found not in range(1, 9):
+        warnings.warn(f"its EXIF orientation {found!r} is none of the eight EXIF defines", stacklevel=2)
+        return 1
+    return int(found)
+
+
+@contextlib.contextmanager
+def _watched(path: Path, log=None) -> Iterator[None]:
+    """Pillow's warnings while the block reads `path` (damaged EXIF, a malformed MPO, ...) become one note
+    naming the file for `log` (nothing where `log` is None: said when its size was read), never a
+    library's raw warning; a decompression bomb stays an error (`opened`)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warnings.simplefilter("error", Image.DecompressionBombWarning)
+        yield
+    said = list(dict.fromkeys(" ".join(str(w.message).split()) for w in caught))
+    if said and log is not None:
+        log(f"note: image {path} has damaged metadata ({'; '.join(said)}); it is read as far as it can be: "
+            "re-save it to silence this")
 
 
 def _complete(image: Image.Image, path: Path) -> bool | None:
@@ -157,14 +185,14 @@ def _complete(image: Image.Image, path: Path) -> bool | None:
             from error
 
 
-def image_size(path: Path) -> tuple[int, int]:
+def image_size(path: Path, log=None) -> tuple[int, int]:
     """The upright (width, height) of an image file, from its header: no pixel is decoded (they are
     decoded once, when the latent is made), except for a format whose completeness cannot be told from
     the file's structure (TIFF, GIF, AVIF). A file that is cut short, a decompression bomb, or a picture
-    outside the bounds above is a DatasetError naming it."""
-    with opened(path) as image:
+    outside the bounds above is a DatasetError naming it; damaged metadata is a note for `log`."""
+    with _watched(path, log), opened(path) as image:
         width, height = image.size
-        turned = _orientation(image) in _TURNED
+        turned = _orientation(image, path) in _TURNED
         complete = _complete(image, path)
     if complete is None:
         return open_rgb(path).size
@@ -182,18 +210,29 @@ _UPRIGHT = {2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180, 4
 
 def open_rgb(path: Path) -> Image.Image:
     """Decode the whole image (so truncated files fail here) as the 8-bit RGB picture it shows
-    (`as_rgb`, which reads the file's own tags), then upright per EXIF."""
+    (`as_rgb`, which reads the file's own tags), then upright by the orientation its bucket was chosen by."""
     try:
-        with opened(path) as image:
+        with _watched(path), opened(path) as image:
+            turn = _UPRIGHT.get(_orientation(image, path))
             image.load()
+            if image.format != "PNG" and _turned_by_decoder(image):
+                turn = None
             rgb = as_rgb(image, path)
             rgb = rgb.copy() if rgb is image else rgb              # (closing the file lets go of its pixels)
-            turn = _UPRIGHT.get(_loaded_orientation(image))
             return rgb.transpose(turn) if turn is not None else rgb
     except DatasetError:
         raise
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as error:
         raise _unreadable(path, error) from error
+
+
+def _turned_by_decoder(image: Image.Image) -> bool:
+    """Whether decoding turned the picture upright itself and cleared its orientation (Pillow's TIFF
+    reader does), so that it is not turned twice."""
+    try:
+        return image.getexif().get(ORIENTATION, 1) == 1
+    except Exception:  # noqa: BLE001 - unreadable now: the orientation read before decoding stands
+        return False
 
 
 # ---------------------------------------------------------------- modes
@@ -209,6 +248,10 @@ def as_rgb(image: Image.Image, path: Path) -> Image.Image:
     mode = image.mode
     if mode == "RGB" and "transparency" not in image.info:
         return image
+    mask = _png_transparency_mask(image, path)
+    if mask is not None:
+        shown = _to_eight_bits(image, path) if mode in _SIXTEEN_BIT else image
+        return Image.composite(shown.convert("RGB"), Image.new("RGB", image.size, (255, 255, 255)), mask)
     if mode in _SIXTEEN_BIT or mode in ("I", "F"):
         return _to_eight_bits(image, path).convert("RGB")
     if mode == "CMYK":
@@ -221,6 +264,28 @@ def as_rgb(image: Image.Image, path: Path) -> Image.Image:
     except ValueError as error:                    # a mode without a conversion (Pillow: "conversion from ...")
         raise DatasetError(f"image {path} is in Pillow's mode {mode!r}, which UGPUM cannot turn into RGB "
                            f"({error}); re-save it as an 8-bit PNG or JPEG") from error
+
+
+def _png_transparency_mask(image: Image.Image, path: Path) -> Image.Image | None:
+    """For a PNG whose tRNS colour Pillow's conversion misses, an "L" mask (0 where that colour is, 255
+    elsewhere) matched at the file's own bit depth: 2- and 4-bit grey (Pillow scales the pixels to 8 bits,
+    not the colour), 16-bit grey (left out of its conversion) and 16-bit RGB (compared at 8 bits, where
+    other colours share the transparent one's high byte). None for every other picture."""
+    key = image.info.get("transparency")
+    if image.format != "PNG" or key is None or isinstance(key, bytes):
+        return None
+    depth, colour = png_chunks.header(path) or (8, -1)
+    if colour == 0 and depth in (2, 4):
+        values = torch.frombuffer(bytearray(image.convert("L").tobytes()), dtype=torch.uint8).to(torch.int32)
+        key = key * (255 // (2 ** depth - 1))                     # as Pillow scales the pixels (x85, x17)
+    elif colour == 0 and depth == 16:
+        values = torch.frombuffer(bytearray(image.convert("I").tobytes()), dtype=torch.int32)
+    elif colour == 2 and depth == 16:
+        values, key = png_chunks.rgb16_samples(path).view(-1, 3), torch.tensor(key, dtype=torch.int32)
+    else:
+        return None
+    opaque = values != key if values.dim() == 1 else (values != key).any(dim=1)
+    return Image.frombytes("L", image.size, (opaque.to(torch.uint8) * 255).numpy().tobytes())
 
 
 def _tiff_tag(image: Image.Image, tag: int):

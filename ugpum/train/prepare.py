@@ -3,13 +3,13 @@ trainable (8-bit base, in-place guard, compiled, recomputed blocks wrapped), the
 A setting an engine cannot honour is refused here, by name, before any weight is loaded."""
 from __future__ import annotations
 
-import math
 from typing import Callable
 
 import torch
 
-from ..arch import get_spec
-from ..compute.base_compute import QuantiseAsLoaded, check_devices, use_8bit_base
+from ..arch import ArchSpec, get_spec
+from ..compute.base_compute import QuantiseAsLoaded, check_devices, use_base_compute
+from ..compute.modes import mode_named
 from ..compute.recompute import recompute_blocks
 from ..compute.compile import compile_blocks
 from ..planning.devices import resolve_devices
@@ -20,19 +20,20 @@ from ..placement.place import place_by_plan
 from ..planning.plan import Plan, plan_training
 from ..placement.schedules import DISTRIBUTED_ONLY
 from .config import TrainConfig
+from .lr_schedule import lr_factor  # noqa: F401 (the loop's and the benches' import)
 from .errors import TrainingError
 from ..wording import setting
 from ..compute.lora import attach_lora, lora_targets
 
 
-def plan_for(cfg: TrainConfig) -> Plan:
+def plan_for(cfg: TrainConfig, spec: ArchSpec | None = None) -> Plan:
     """The plan a single-process run with these settings uses (what the Partition Planner node and
-    `plan` show)."""
+    `plan` show); `spec`: the model's (None: `cfg.model`'s)."""
     if cfg.schedule in DISTRIBUTED_ONLY:
         raise TrainingError(f"schedule {cfg.schedule} runs two pipeline stages on each rank of a distributed run "
                             f"({setting('distributed')} under torchrun, README \"Past one machine\"); one process "
                             "runs auto, sequential, gpipe or 1f1b")
-    spec = get_spec(cfg.model)
+    spec = spec or get_spec(cfg.model)
     return plan_training(spec, resolve_devices(cfg.devices, spec, training=True, desktop_gib=cfg.desktop_gib),
                          cfg.workload(),
                          grad_accum=cfg.grad_accum, schedule=cfg.schedule)
@@ -49,7 +50,7 @@ def quantiser(plan: Plan, spec, block_paths: list[str], devices, model) -> Quant
     each Linear as its weight arrives (the bf16 base never lands whole); None otherwise. Refuses devices
     without the tensor cores, before anything loads."""
     on_meta = any(p.is_meta for p in model.parameters())
-    if not on_meta or plan.base_compute == "bf16":
+    if not on_meta or not mode_named(plan.base_compute).quantises:
         return None
     check_devices(plan.base_compute, devices)
     model.requires_grad_(False)               # the base is frozen anyway (attach_lora); 8-bit needs it now
@@ -71,7 +72,7 @@ def make_trainable(cfg: TrainConfig, plan: Plan, spec, model, block_paths: list[
         log(quantised.summary())
         undo_8bit = lambda: None                 # noqa: E731 - nothing to put back: the model is dropped after
     else:
-        undo_8bit = use_8bit_base(model, base_linear_paths(spec, block_paths), plan.base_compute, log, keep="cpu")
+        undo_8bit = use_base_compute(model, base_linear_paths(spec, block_paths), plan.base_compute, log, keep="cpu")
     recomputed = recomputed_paths(plan, spec, block_paths)
     guards = guard_inplace_residuals(model, include_rms=False)
     undo_compile = compile_blocks(model, block_paths, cfg.compile, log)
@@ -93,7 +94,7 @@ def prepare_model(cfg: TrainConfig, spec, plan: Plan, model, key_prefix: str = "
     make it trainable. Settings the plan resolved (base compute, schedule, devices) are read from the
     plan, never from `cfg`. Returns (model, lora, layout, release)."""
     on_meta = any(p.is_meta for p in model.parameters())     # streamed from its file: dropped after
-    if plan.base_compute != "bf16" and plan.offloaded_blocks and not on_meta:
+    if mode_named(plan.base_compute).quantises and plan.offloaded_blocks and not on_meta:
         raise TrainingError(f"base_compute = {plan.base_compute} with block swap quantises each layer as it streams "
                             "from the model file: build the model on the meta device (as train and the nodes do)")
     block_paths = [b.path for b in spec.blocks]
@@ -120,12 +121,3 @@ def make_optimizer(cfg: TrainConfig, params: list[torch.nn.Parameter]) -> torch.
             raise TrainingError("optimizer 'adamw8bit' needs bitsandbytes (pip install bitsandbytes)") from None
         return bnb.optim.AdamW8bit(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-
-
-def lr_factor(cfg: TrainConfig, step: int) -> float:
-    if step < cfg.warmup_steps:
-        return (step + 1) / cfg.warmup_steps
-    if cfg.lr_schedule == "cosine":
-        progress = (step - cfg.warmup_steps) / max(cfg.steps - cfg.warmup_steps, 1)
-        return 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
-    return 1.0

@@ -6,8 +6,9 @@ import time
 
 
 class Progress:
-    def __init__(self, total: int, start: int = 0, label: str = "train", stream=sys.stderr):
-        self.total, self.start, self.label, self.stream = total, start, label, stream
+    def __init__(self, total: int, start: int = 0, label: str = "train", stream=None):
+        # (sys.stderr as it is when the run starts: the command line's guarded stream, ugpum/commands/output.py)
+        self.total, self.start, self.label, self.stream = total, start, label, stream or sys.stderr
         self.t0 = time.perf_counter()
 
     def rate(self, step: int) -> float:

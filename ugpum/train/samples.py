@@ -13,7 +13,7 @@ import torch
 
 from ..render.prompt import render
 from ..formats.atomic import atomic_path
-from ..formats.disk_space import is_disk_full
+from ..formats.refused import SaveRefused
 from ..render.report import grid, save_animation, to_pil
 from .run.layout import RunFolder
 from .video import ClipItem
@@ -44,8 +44,8 @@ class Samples:
         folder = self.run.samples
         if isinstance(error, torch.OutOfMemoryError):
             why, fix = "the GPU ran out of memory rendering it", "set sample_every = 0, or lower sample_steps"
-        elif is_disk_full(error):
-            why, fix = str(error), "free space on that disk"
+        elif isinstance(error, SaveRefused):                # a full disk, a quota, a read-only disk, ...
+            why, fix = str(error), "do as it says for samples in later runs"
         else:
             # (a rename names its target second)
             target = getattr(error, "filename2", None) or getattr(error, "filename", None) or folder
@@ -64,7 +64,7 @@ class Samples:
         path.parent.mkdir(exist_ok=True)
         if len(frames) > 1:
             with atomic_path(path.with_suffix(".webp")) as tmp:
-                save_animation(frames, tmp)
+                save_animation(frames, tmp, self.spec.frame_rate)
         with atomic_path(path) as tmp:
             image.save(tmp, format="PNG")
         self.paths.append(path)

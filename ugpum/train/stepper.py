@@ -31,7 +31,7 @@ class OneProcessStepper:
         return begin()
 
     def make_plan(self, cfg, spec):
-        return self.plan or plan_for(cfg)
+        return self.plan or plan_for(cfg, spec)
 
     def plan_record(self, plan) -> dict:
         return plan.to_json()

@@ -35,17 +35,34 @@ def stop_on_sigterm():
         yield
 
 
+_saves: list[list[int]] = []          # the stops each save under way holds back (innermost last)
+
+
+def request_stop(signum: int) -> None:
+    """Stop as signal `signum` would (a front end whose output was lost asks so): raised here, or once
+    the save under way is complete."""
+    if _saves:
+        _saves[-1].append(signum)
+        return
+    raise KeyboardInterrupt() if signum == signal.SIGINT else Stopped(signum)
+
+
 @contextlib.contextmanager
 def saving(log, stopping: bool = False):
-    """Hold Ctrl-C and SIGTERM back while the block writes a save. A signal that came meanwhile stops
-    the run once the save is complete, unless the run is `stopping` already (then it is noted)."""
+    """Hold Ctrl-C and SIGTERM (and `request_stop`) back while the block writes a save. A stop that came
+    meanwhile stops the run once the save is complete, unless the run is `stopping` already (then it is
+    noted)."""
     held: list[int] = []
 
     def hold(signum, _frame):
         held.append(signum)
         log(f"{signal.Signals(signum).name}: finishing the save first, then stopping")
-    with signals_handled(hold):
-        yield
+    _saves.append(held)
+    try:
+        with signals_handled(hold):
+            yield
+    finally:
+        _saves.remove(held)
     if held and not stopping:
         stop = KeyboardInterrupt() if held[0] == signal.SIGINT else Stopped(held[0])
         stop.after_save = True               # the save is complete: nothing of it needs doing again

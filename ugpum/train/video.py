@@ -1,11 +1,12 @@
-"""Training clips for Wan 2.1: video files or folders of numbered frames, each with a caption.
+"""Training clips for a family that takes them (Wan 2.1): video files or folders of numbered frames, each
+with a caption.
 
 A clip dataset is a folder holding video files (`walk.mp4` + `walk.txt`) and/or sub-folders of
 numbered frame images (`wave/0001.png ...` + `wave.txt`); loose images beside them train as single
 frames. Each clip gives its first `frames` frames (every `stride`-th one from the start), resized and
-centre-cropped to the clip's bucket exactly like an image. Wan's VAE compresses time 4x after the
-first frame, so `frames` must be 4k+1 (1, 5, 17, 33, 81): the latent then has 1 + (frames - 1) / 4
-frames. Videos are decoded with PyAV (`av`, which ComfyUI itself requires).
+centre-cropped to the clip's bucket exactly like an image. Which frame counts a model takes is its
+family's (`ArchSpec.frames_error`; Wan's VAE compresses time 4x after the first frame, so 4k+1). Videos
+are decoded with PyAV (`av`, which ComfyUI itself requires).
 """
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ from typing import Iterator
 import torch
 from PIL import Image
 
-from ..arch import family_named
+from ..arch import FAMILIES, family_of
+from ..arch.base import ArchSpec
 from ..folders import read_fix, read_reason
 from .dataset import (DatasetError, ImageItem, Resolution, _check_positive_int, _with_trigger, bucket_for,
                       caption_for, checked_folder_settings, fit_to_bucket, fixed_bucket, image_size, list_pictures,
@@ -32,14 +34,16 @@ VIDEO_EXTENSIONS = (".mp4", ".webm", ".mkv", ".mov")
 @dataclass
 class ClipItem(ImageItem):
     """One training clip: `path` is a video file or a folder of numbered frames."""
-    frames: int = 17             # frames taken from the start of the clip (4k+1)
+    frames: int = 17             # frames taken from the start of the clip (as many as the model takes)
     stride: int = 1              # take every stride-th frame
 
 
-def check_frames(frames, where: str) -> int:
-    if isinstance(frames, bool) or not isinstance(frames, int) or frames < 1 or (frames - 1) % 4:
-        raise DatasetError(f"{where}: frames = {frames!r}, but Wan takes 4k+1 frames (1, 5, 17, 33, 81): "
-                           "its VAE packs the first frame alone and every following 4 frames into one")
+def check_frames(frames, where: str, spec: ArchSpec) -> int:
+    """`frames` when `spec`'s model takes that many frames of a clip, else a DatasetError saying why."""
+    whole = not isinstance(frames, bool) and isinstance(frames, int)
+    problem = spec.frames_error(frames if whole else 0)
+    if problem:
+        raise DatasetError(f"{where}: frames = {frames!r}, but {problem}")
     return frames
 
 
@@ -130,11 +134,11 @@ def _all_frames(source: Path) -> Iterator[Image.Image]:
     return _folder_frames(source) if source.is_dir() else _video_frames(source)
 
 
-def read_frames(source: Path, frames: int, stride: int = 1, settings: tuple[str, str] = ("frames", "the frame stride")
-                ) -> list[Image.Image]:
+def read_frames(source: Path, frames: int, stride: int = 1, settings: tuple[str, str] = ("frames", "the frame stride"),
+                spec: ArchSpec | None = None) -> list[Image.Image]:
     """`frames` frames from the start of a clip (frame 0, stride, 2 stride, ...); DatasetError when the
     clip is shorter, naming how many frames it has and what to change (`settings`: where the frames and
-    the stride are set)."""
+    the stride are set; `spec`: the model, whose frame counts it names)."""
     needed = 1 + (frames - 1) * stride
     taken, count = [], 0
     with contextlib.closing(_all_frames(source)) as decoded:      # stop decoding (and close the file) early
@@ -144,34 +148,36 @@ def read_frames(source: Path, frames: int, stride: int = 1, settings: tuple[str,
                 taken.append(image)
             if count == needed:
                 return taken
-    raise _too_short(source, count, frames, stride, settings)
+    raise _too_short(source, count, frames, stride, settings, spec)
 
 
-def _too_short(source: Path, count: int, frames: int, stride: int, settings: tuple[str, str]) -> DatasetError:
+def _too_short(source: Path, count: int, frames: int, stride: int, settings: tuple[str, str],
+               spec: ArchSpec | None) -> DatasetError:
     needed = 1 + (frames - 1) * stride
     kind = "frame folder" if source.is_dir() else "video"
     per_clip = f"{frames} frames" + (f" at stride {stride} ({needed} frames)" if stride > 1 else "")
-    fits = 1 + (max(count - 1, 0) // stride) // 4 * 4                 # the most 4k+1 frames it holds
-    hint = f"set {settings[0]} to {fits} or fewer" if fits >= 5 else "use a longer clip"
+    fits = spec.frames_within(1 + max(count - 1, 0) // stride) if spec else 1     # the most frames it gives
+    hint = f"set {settings[0]} to {fits} or fewer" if fits > 1 else "use a longer clip"
     return DatasetError(f"{kind} {source} has {count} frame(s), but training takes {per_clip} from its start; "
                         f"{hint}{f', lower {settings[1]}' if stride > 1 else ''}, or remove the clip")
 
 
 def first_frame_size(source: Path, frames: int, stride: int = 1,
-                     settings: tuple[str, str] = ("frames", "the frame stride")) -> tuple[int, int]:
+                     settings: tuple[str, str] = ("frames", "the frame stride"),
+                     spec: ArchSpec | None = None, log=print) -> tuple[int, int]:
     """The (width, height) of a clip's first frame, once the clip is known to hold the frames training
     takes. A frame folder is judged from its file names and its frames' headers (every frame taken must
     have the first one's size): its pixels are decoded once, for the latent. A video is decoded up to
     those frames (its frame count is known only by decoding)."""
     if not source.is_dir():
-        return read_frames(source, frames, stride, settings)[0].size
+        return read_frames(source, frames, stride, settings, spec)[0].size
     paths = numbered_frames(source)
     needed = 1 + (frames - 1) * stride
     if len(paths) < needed:
-        raise _too_short(source, len(paths), frames, stride, settings)
-    size = image_size(paths[0])
+        raise _too_short(source, len(paths), frames, stride, settings, spec)
+    size = image_size(paths[0], log)
     for p in paths[1:needed]:
-        other = image_size(p)
+        other = image_size(p, log)
         if other != size:
             raise DatasetError(f"frame folder {source}: {p.name} is {other[0]}x{other[1]}, the frames "
                                f"before it {size[0]}x{size[1]}; give every frame one size")
@@ -205,6 +211,7 @@ def folder_has_clips(folder: Path) -> bool:
 
 def load_clip_folder(
     folder: Path | str,
+    spec: ArchSpec,
     frames: int,
     stride: int = 1,
     caption_ext: str = ".txt",
@@ -212,67 +219,77 @@ def load_clip_folder(
     repeats: int = 1,
     trigger: str = "",
     batch_size: int = 1,
+    log=print,
 ) -> list[ImageItem]:
     """Every clip (video file or frame folder) in `folder`, plus its loose images as single frames."""
     folder = Path(folder)
     where = f"dataset folder {folder}"
-    frames = check_frames(frames, where)
+    frames = check_frames(frames, where, spec)
     if frames == 1 and folder_has_clips(folder):
         raise DatasetError(f"{where} holds clips ({list_clips(folder)[0].name}, ...) but frames is 1; set frames "
-                           "to 4k+1 (e.g. 17 or 33) to train on clips, or remove the clips to train on images")
-    items = clip_items(folder, frames, stride, caption_ext, resolution, repeats, trigger, batch_size)
+                           f"to {_clip_examples(spec)} to train on clips, or remove the clips to train on images")
+    items = clip_items(folder, spec, frames, stride, caption_ext=caption_ext, resolution=resolution, repeats=repeats,
+                       trigger=trigger, batch_size=batch_size, log=log)
     if list_pictures(folder):
-        items += load_image_folder(folder, caption_ext, resolution, repeats, trigger, batch_size=batch_size)
+        items += load_image_folder(folder, caption_ext, resolution, repeats, trigger, batch_size=batch_size, log=log)
     return items
 
 
-def clip_items(
-    folder: Path,
-    frames: int,
-    stride: int = 1,
-    caption_ext: str = ".txt",
-    resolution: Resolution = 640,
-    repeats: int = 1,
-    trigger: str = "",
-    batch_size: int = 1,
-    enable_bucket: bool = True,
-    bucket_no_upscale: bool = False,
-    settings: tuple[str, str] = ("frames", "the frame stride"),
-) -> list[ClipItem]:
-    """The clips (video files and frame folders) in `folder`, each giving its first `frames` frames.
+# What a dataset folder of clips takes beside its frames: load_image_folder's settings, with their defaults
+FOLDER_SETTINGS = dict(caption_ext=".txt", resolution=640, repeats=1, trigger="", batch_size=1, enable_bucket=True,
+                       bucket_no_upscale=False, log=print)
+
+
+def clip_items(folder: Path, spec: ArchSpec, frames: int, stride: int = 1,
+               settings: tuple[str, str] = ("frames", "the frame stride"), **folder_settings) -> list[ClipItem]:
+    """The clips (video files and frame folders) in `folder`, each giving its first `frames` frames;
+    `folder_settings`: any of FOLDER_SETTINGS (caption_ext, resolution, ... as load_image_folder takes them).
 
     A clip's caption is the same-stem caption file beside it (`walk.mp4` / `walk/` -> `walk.txt`).
     Each clip is read up to the frames it needs now, so a short or broken clip is reported before
     any training work starts. Its bucket is chosen from its first frame like an image's (or, without
-    bucketing, `resolution` exactly).
+    bucketing, `resolution` exactly). `settings` names the frames and stride settings in messages.
     """
+    unknown = set(folder_settings) - set(FOLDER_SETTINGS)
+    if unknown:
+        raise TypeError(f"clip_items: no setting {', '.join(sorted(unknown))}")
+    f = {**FOLDER_SETTINGS, **folder_settings}
+    trigger, bucket_no_upscale, log = f["trigger"], f["bucket_no_upscale"], f["log"]
     where, caption_ext, resolution, repeats, batch_size = checked_folder_settings(
-        folder, caption_ext, resolution, repeats, batch_size)
-    frames = check_frames(frames, where)
+        folder, f["caption_ext"], f["resolution"], f["repeats"], f["batch_size"])
+    frames = check_frames(frames, where, spec)
     stride = _check_positive_int(stride, "frame stride", where)
     clips = list_clips(folder)
     if not clips:
         raise DatasetError(f"{where} holds no clips ({', '.join(VIDEO_EXTENSIONS)} files or folders of "
                            "numbered frames); put the training clips there")
-    fixed = None if enable_bucket else fixed_bucket(resolution, where)
+    fixed = None if f["enable_bucket"] else fixed_bucket(resolution, where)
     items: list[ClipItem] = []
     for clip in clips:
         caption_path = clip.with_name(clip.stem + caption_ext) if clip.is_file() else clip.with_name(clip.name + caption_ext)
         caption = _with_trigger(caption_for(clip, caption_path, "clip"), trigger)
-        first = first_frame_size(clip, frames, stride, settings)
+        first = first_frame_size(clip, frames, stride, settings, spec, log)
         bucket = fixed or bucket_for(first, resolution, bucket_no_upscale, f"clip {clip}")
         items.extend(ClipItem(clip, caption, bucket, batch_size, frames, stride) for _ in range(repeats))
     return items
 
 
-def load_folder(folder: Path | str, family: str, frames: int = 1, stride: int = 1, resolution: Resolution = 1024,
-                repeats: int = 1, trigger: str = "") -> list[ImageItem]:
-    """A dataset folder for a model family: clips (a family that takes them: Wan) when it holds any, else images."""
+def load_folder(folder: Path | str, spec: ArchSpec, frames: int = 1, stride: int = 1, resolution: Resolution = 1024,
+                repeats: int = 1, trigger: str = "", log=print) -> list[ImageItem]:
+    """A dataset folder for `spec`'s model: clips (a family that takes them) when it holds any, else images."""
     folder = Path(folder)
     if folder_has_clips(folder):
-        if not family_named(family).takes_clips:
-            clip = list_clips(folder)[0]
-            raise DatasetError(f"dataset folder {folder} holds video clips ({clip.name}, ...), but FLUX.2 models "
-                               "train on images only; train clips on a Wan 2.1 model, or use a folder of images")
-        return load_clip_folder(folder, frames, stride, resolution=resolution, repeats=repeats, trigger=trigger)
-    return load_image_folder(folder, resolution=resolution, repeats=repeats, trigger=trigger)
+        if not spec.takes_clips:
+            clip, takers = list_clips(folder)[0], " or ".join(f"{f.title} model" for f in FAMILIES if f.takes_clips)
+            raise DatasetError(f"dataset folder {folder} holds video clips ({clip.name}, ...), but "
+                               f"{family_of(spec).title} models train on images only; train clips on a {takers}, "
+                               "or use a folder of images")
+        return load_clip_folder(folder, spec, frames, stride, resolution=resolution, repeats=repeats, trigger=trigger,
+                                log=log)
+    return load_image_folder(folder, resolution=resolution, repeats=repeats, trigger=trigger, log=log)
+
+
+def _clip_examples(spec: ArchSpec) -> str:
+    """Frame counts of a clip `spec`'s model takes, as an example (Wan: 17 or 33)."""
+    small, large = spec.frames_within(17), spec.frames_within(33)
+    return f"a count the model takes (e.g. {small} or {large})"

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from ...diffusion.flow_sampler import SAMPLING_DEFAULTS, flux2_model_fn, pad_flux2_context
 from ..base import ArchSpec, BlockSpec, Workload
+from .sampler import SAMPLING_DEFAULTS, flux2_model_fn, pad_flux2_context
 from .stage import Flux2Stage
 
 TIME_DIM = 256                     # the timestep (and guidance) embedders' sinusoidal input
@@ -19,6 +19,8 @@ class Flux2Spec(ArchSpec):
     default_timesteps: ClassVar[str] = "flux2_shift"         # musubi-tuner's FLUX.2 default
     latent_channels: ClassVar[int] = 128                     # the VAE's 32 channels, 2x2 patchified
     latent_factor: ClassVar[int] = 16
+    frames_per_latent: ClassVar[int] = 1                     # (images)
+    frame_rate: ClassVar[int] = 0
     stage_class: ClassVar[type] = Flux2Stage
 
     def frames_error(self, frames: int) -> str:

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from ...diffusion.flow_sampler import SAMPLING_DEFAULTS, wan_model_fn
-from ..base import ACT_BYTES, ArchSpec, BlockSpec, Workload, latent_frames
+from ..base import ACT_BYTES, ArchSpec, BlockSpec, Workload
+from .sampler import SAMPLING_DEFAULTS, wan_model_fn
 from .stage import WanStage
 
 FREQ_DIM = 256                     # the time embedder's sinusoidal input
@@ -20,15 +20,19 @@ class WanSpec(ArchSpec):
     default_timesteps: ClassVar[str] = "shift"               # shift 3.0, as musubi-tuner trains Wan
     latent_channels: ClassVar[int] = 16
     latent_factor: ClassVar[int] = 8
+    frames_per_latent: ClassVar[int] = 4
+    frame_rate: ClassVar[int] = 16                           # what ComfyUI's Wan templates save at, too
     stage_class: ClassVar[type] = WanStage
 
     def frames_error(self, frames: int) -> str:
-        # Wan's VAE encodes the first frame alone and every next 4 into one latent frame
-        return "" if frames >= 1 and (frames - 1) % 4 == 0 else "Wan takes 4k+1 frames (1, 5, 17, 33, 81)"
+        if frames >= 1 and (frames - 1) % self.frames_per_latent == 0:
+            return ""
+        return ("Wan takes 4k+1 frames (1, 5, 17, 33, 81): its VAE packs the first frame alone and every "
+                "following 4 frames into one")
 
     # --- shapes of one step -------------------------------------------------------------------
     def image_tokens(self, w: Workload) -> int:
-        return latent_frames(w.frames) * (w.height // 16) * (w.width // 16)  # 8x VAE, 2x2 patch
+        return self.latent_frames(w.frames) * (w.height // 16) * (w.width // 16)  # 8x VAE, 2x2 patch
 
     def stream_tokens(self, w: Workload) -> int:
         return self.image_tokens(w)                          # text is a shared input, not a stream
@@ -59,7 +63,7 @@ class WanSpec(ArchSpec):
         return context[None]
 
     def sampling_defaults(self):
-        return SAMPLING_DEFAULTS["wan2.1"]
+        return SAMPLING_DEFAULTS
 
     def sampler_model_fn(self, model, guidance: float | None):
         return wan_model_fn(model)                           # Wan has no guidance embedding

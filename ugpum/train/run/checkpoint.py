@@ -16,6 +16,7 @@ saying so (`usable_checkpoint`).
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -24,10 +25,12 @@ import struct
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from ...formats.atomic import honour_umask, remove_abandoned, write_json_atomic
-from ...formats.disk_space import DiskFull, check_space, full_disk_error
+from ...formats.atomic import remove_abandoned, write_json_atomic
+from ...formats.disk_space import DiskFull, check_space, refused_write
+from ...formats.refused import SaveRefused
+from ...formats.safetensors_writer import write_tensors
 from ...formats.finite import NonFinite, is_finite, non_finite, shown
 from ...formats.safetensors_header import HeaderError, check_file
 from ...compute.lora import LoraSet
@@ -36,13 +39,14 @@ from .layout import RunFolder
 from ...wording import EngineError, setting
 
 LATEST = "latest.json"
+CHECKPOINT_FILES = ("lora.safetensors", "optimizer.safetensors", "state.json")
 
 
 class CheckpointError(ValueError, EngineError):
     pass
 
 
-__all__ = ["DiskFull", "NonFinite"]       # (re-exported: what a save here raises)
+__all__ = ["DiskFull", "NonFinite", "SaveRefused"]       # (re-exported: what a save here raises)
 
 
 # Settings that may change between a run and its resume: how long, how it is watched and saved,
@@ -98,21 +102,22 @@ def checkpoint_bytes(lora: LoraSet, optimizer: torch.optim.Optimizer) -> int:
     return weights + (state or 2 * weights)            # before the first step: AdamW's two moments
 
 
-def disk_full(err: BaseException, what: str, folder: Path, needed: int | None, kept: str | None = None) -> BaseException:
-    """A full disk (ENOSPC/EDQUOT, also as safetensors reports it) as one sentence with the space
-    needed and free, and `kept` (what is kept, only when true); other errors as they are."""
-    return full_disk_error(err, folder, what, needed, kept)
-
-
-def full_disk_kept(full: BaseException, out: Path, at: int, lora_path: Path | None) -> DiskFull:
-    """`full` (a save at step `at` found the disk full) with what is on disk after it, truly: the LoRA of
-    that step when it was saved, the newest intact checkpoint (which a resume continues from), or none."""
+def refused_kept(refused: SaveRefused, out: Path, at: int, lora_path: Path | None) -> SaveRefused:
+    """`refused` (the system refused a save at step `at`: a full disk, a file-size limit, a quota, a
+    read-only disk, an I/O error) with what is on disk after it, truly: the LoRA of that step when it was
+    saved, the newest intact checkpoint (which a resume continues from), or none."""
+    if refused.errno == errno.EIO:             # the disk cannot be read either: claim nothing about it
+        err = SaveRefused(f"{refused}; what was saved before stays on that disk, which cannot be read now: once "
+                          f"it can, {setting('resume', out)} continues from its newest intact checkpoint", errno.EIO)
+        err.save_step = at
+        return err
     checkpoint = latest_checkpoint(out)
     kept = [f"the LoRA of step {at} ({lora_path.name})"] if lora_path else []
     kept += [f"the checkpoint {checkpoint.name}, which {setting('resume', out)} continues from"] if checkpoint else []
     said = ("kept: " + " and ".join(kept) + "; ") if kept else ""
     said += "" if checkpoint else "no checkpoint of this run is on disk, so a resume cannot continue it"
-    err = DiskFull(f"{full}; {said.removesuffix('; ')}")
+    message = f"{refused}; {said.removesuffix('; ')}"
+    err = DiskFull(message) if isinstance(refused, DiskFull) else SaveRefused(message, refused.errno)
     err.save_step = at                   # the run does not try this very save again on its way out
     return err
 
@@ -129,7 +134,8 @@ def check_finite_lora(lora: LoraSet, what: str) -> None:
 def save_checkpoint(out: Path, step: int, lora: LoraSet, optimizer: torch.optim.Optimizer, extra: dict,
                     kept: str | None = None) -> Path:
     """Write the checkpoint of step `step` (never one with non-finite values, never one the disk cannot
-    hold: DiskFull says how much it needs, how much is free, and `kept`)."""
+    hold: DiskFull says how much it needs, how much is free, and `kept`; a write the system refuses
+    otherwise is a SaveRefused naming the file). Nothing of it is left when it fails."""
     root = RunFolder(out).checkpoints
     what = f"the checkpoint at step {step}"
     check_finite_lora(lora, what)
@@ -143,15 +149,17 @@ def save_checkpoint(out: Path, step: int, lora: LoraSet, optimizer: torch.optim.
     final = root / f"step_{step:06d}"
     tmp = root / f".tmp_step_{step:06d}"
     shutil.rmtree(tmp, ignore_errors=True)
+    writing: list[str] = []                   # what is being written: named in a refusal's sentence
     try:
         tmp.mkdir()
-        _write_checkpoint(tmp, final, step, lora, optimizer, extra)
-    except Exception as err:                  # safetensors reports a full disk as its own error type
+        _write_checkpoint(tmp, final, step, lora, optimizer, extra, writing)
+    except Exception as err:
         shutil.rmtree(tmp, ignore_errors=True)
-        full = disk_full(err, what, root, needed, kept)
-        if full is err:
+        named = f"{final.name}/{writing[-1]}" if writing else final.name
+        refused = refused_write(err, root, f"{what} ({named})", needed, kept)
+        if refused is err:
             raise
-        raise full from err
+        raise refused from None
     try:
         write_json_atomic(root / LATEST, {"step": step, "folder": final.name})
     except OSError:
@@ -160,10 +168,11 @@ def save_checkpoint(out: Path, step: int, lora: LoraSet, optimizer: torch.optim.
 
 
 def _write_checkpoint(tmp: Path, final: Path, step: int, lora: LoraSet, optimizer: torch.optim.Optimizer,
-                      extra: dict) -> None:
+                      extra: dict, writing: list[str]) -> None:
     try:
         params = _params(lora)
-        save_file({name: p.detach().cpu().contiguous() for name, p in params}, str(tmp / "lora.safetensors"))
+        writing.append(CHECKPOINT_FILES[0])                       # (atomic=False: tmp is a temporary folder)
+        write_tensors(tmp / CHECKPOINT_FILES[0], {name: p for name, p in params}, atomic=False)
         index = {id(p): name for name, p in params}
         opt_tensors = {}
         for p, state in optimizer.state.items():
@@ -171,19 +180,22 @@ def _write_checkpoint(tmp: Path, final: Path, step: int, lora: LoraSet, optimize
                 # a copy each: optimizers may share a tensor between parameters (bitsandbytes' qmaps),
                 # which safetensors refuses to write
                 opt_tensors[f"{index[id(p)]}::{k}"] = torch.as_tensor(v).detach().to("cpu", copy=True).contiguous()
-        save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
+        writing.append(CHECKPOINT_FILES[1])
+        write_tensors(tmp / CHECKPOINT_FILES[1], opt_tensors, atomic=False)
         groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        writing.append(CHECKPOINT_FILES[2])
         (tmp / "state.json").write_text(json.dumps({"step": step, "param_groups": groups, **extra}, indent=1))
-        honour_umask(tmp / "lora.safetensors", tmp / "optimizer.safetensors")     # safetensors writes 0600
+        for name in CHECKPOINT_FILES:
+            writing.append(name)
+            with open(tmp / name, "rb") as handle:                 # on disk before the folder takes its name
+                os.fsync(handle.fileno())
+        writing.clear()                                            # (now the folder itself)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-
-
-CHECKPOINT_FILES = ("lora.safetensors", "optimizer.safetensors", "state.json")
 
 
 def read_state(folder: Path) -> dict:

@@ -17,10 +17,11 @@ from ...formats.lora_file import lora_metadata, save_lora
 from ..batches import load_items
 from ..cache import dataset_hash
 from ...formats.fingerprint import weights_fingerprint
-from .checkpoint import (DiskFull, check_same_run, disk_full, full_disk_kept, header_digest, latest_checkpoint,
-                         read_state, remove_leftovers, save_checkpoint)
+from .checkpoint import (SaveRefused, check_same_run, header_digest, latest_checkpoint, read_state, refused_kept,
+                         remove_leftovers, save_checkpoint)
 from ..config import TrainConfig
 from ..errors import RunExists, TrainingError
+from ..lr_schedule import resume_note
 from ...compute.lora import LoraSet, lora_targets
 from .layout import RunFolder
 from ..stopping import saving
@@ -56,7 +57,7 @@ def open_run(cfg: TrainConfig, spec, out: Path, resume: bool, overwrite: bool, l
     removed = remove_leftovers(out, cfg.cache_dir)
     if removed:
         log(f"removed {len(removed)} temporary file(s) an interrupted save left in {out}")
-    items = load_items(cfg, log)
+    items = load_items(cfg, spec, log)
     data_hash = dataset_hash(items)
     identity = run_identity(cfg, spec, data_hash)
     if resume:
@@ -109,7 +110,11 @@ def clear_earlier_run(out: Path, cfg: TrainConfig) -> None:
     """--overwrite: remove an earlier run's files (the feature cache stays: it is keyed by content)."""
     run = RunFolder(out)
     for path in run.run_files():
-        shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+        if not path.is_dir():
+            path.unlink(missing_ok=True)
+            continue
+        for inside in path.iterdir():          # the folder stays: a link to another disk, or a mount point
+            shutil.rmtree(inside) if inside.is_dir() and not inside.is_symlink() else inside.unlink()
     for path in run.loras(cfg.output_name):
         path.unlink()
 
@@ -177,6 +182,9 @@ def resume_point(out: Path, cfg: TrainConfig, identity: dict, log) -> tuple[Path
                             f"1..{cfg.steps}{more}")
     check_metrics(out, step, log)
     log(f"resumed from {folder} at step {step}")
+    note = resume_note(cfg, ((state.get("identity") or {}).get("config") or {}).get("steps", cfg.steps), step)
+    if note:
+        log(note)                             # a changed total stretches the schedule: said, with both rates
     return folder, step
 
 
@@ -195,29 +203,25 @@ def save_final_lora(cfg: TrainConfig, spec, lora: LoraSet, out: Path, steps: int
                          target_modules=sorted({path for path, _ in lora.items()}),
                          steps=steps, resolution=cfg.resolution, dataset_hash=data_hash, implementation="ugpum")
     tensors = {path: (a.A.detach().cpu(), a.B.detach().cpu()) for path, a in lora.items()}
-    try:
-        return save_lora(RunFolder(out).lora(name), tensors, cfg.rank, cfg.alpha, meta, dtype=torch.float32)
-    except Exception as err:
-        full = disk_full(err, f"the LoRA {name}", out, sum(a.A.numel() + a.B.numel() for _, a in lora.items()) * 4)
-        if full is err:
-            raise
-        raise full from err
+    return save_lora(RunFolder(out).lora(name), tensors, cfg.rank, cfg.alpha, meta, dtype=torch.float32)
 
 
 def save_run(run: OpenedRun, cfg: TrainConfig, spec, lora: LoraSet, optimizer, at: int, name: str,
              stopping: bool = False, log=print) -> Path:
-    """A checkpoint and the LoRA at step `at`, neither cut short by a signal."""
+    """A checkpoint and the LoRA at step `at`, neither cut short by a signal. A save the system refuses (a
+    full disk, a file-size limit, a quota, a read-only disk, an I/O error) keeps what was saved before and
+    says what is kept."""
     log(f"saving checkpoint and LoRA at step {at}")
     with saving(log, stopping):
         try:
             save_checkpoint(run.out, at, lora, optimizer, {"model": spec.id, "identity": run.identity,
                                                            "inputs": run.inputs, "interrupted": stopping})
-        except DiskFull as full:                 # the LoRA is smaller: keep it when it fits, say what is kept
+        except SaveRefused as refused:           # the LoRA is smaller: keep it when it can be written
             lora_path = None
-            with contextlib.suppress(DiskFull):
+            with contextlib.suppress(SaveRefused):
                 lora_path = save_final_lora(cfg, spec, lora, run.out, at, run.data_hash, name)
-            raise full_disk_kept(full, run.out, at, lora_path) from full
+            raise refused_kept(refused, run.out, at, lora_path) from None
         try:
             return save_final_lora(cfg, spec, lora, run.out, at, run.data_hash, name)
-        except DiskFull as full:
-            raise full_disk_kept(full, run.out, at, None) from full
+        except SaveRefused as refused:
+            raise refused_kept(refused, run.out, at, None) from None

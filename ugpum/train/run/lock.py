@@ -116,7 +116,8 @@ class RunLock:
         fd, self._fd = self._fd, None
         try:
             if fcntl is not None:                 # removed while held: nobody can lock a stale copy
-                self.path.unlink(missing_ok=True)
+                with contextlib.suppress(OSError):   # (a disk gone read-only keeps it: the next run takes it over)
+                    self.path.unlink(missing_ok=True)
             else:
                 msvcrt.locking(fd, msvcrt.LK_UNLCK, 1)
         finally:

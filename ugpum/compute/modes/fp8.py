@@ -1,0 +1,34 @@
+"""base_compute = fp8: the base's weights and activations in fp8 e4m3, its matmuls on fp8 tensor cores
+(`torch._scaled_mm` with row-wise scales; Ada, Hopper, Blackwell)."""
+from __future__ import annotations
+
+import torch
+
+from .mode import ComputeMode
+
+FP8 = torch.float8_e4m3fn
+
+
+class Fp8(ComputeMode):
+    name = "fp8"
+    order = 1
+    held_dtype = "fp8"                                   # 1 byte a weight
+    # compiled: fitted to the H100 runs ugpum/planning/calibration.json names; eager: the H200's steps in
+    # bench/results/speed.md (0.71 s against bf16's 0.61 s)
+    dense_speed = {"compiled": 1.215, "eager": 0.83}
+    # the LoRA gradient of klein 9B's first, middle and last block against the bf16 base (bench/results/speed.md)
+    quality = "LoRA gradients vs the bf16 base: cosine 0.9985 per block (klein 9B, H200)"
+    min_capability = (8, 9)
+    needs = "fp8 tensor cores (compute capability 8.9+: Ada, Hopper, Blackwell)"
+    qmax = 448.0
+
+    def to_grid(self, t):
+        return t.clamp(-self.qmax, self.qmax).to(FP8)
+
+    def matmul(self, a, sa, b_t, sb, out_dtype):
+        ones = sb if sb is not None else torch.ones(b_t.shape[0], device=a.device, dtype=torch.float32)
+        return torch._scaled_mm(a, b_t.t(), scale_a=sa.float().contiguous(),
+                                scale_b=ones.float().reshape(1, -1).contiguous(), out_dtype=out_dtype)
+
+
+MODE = Fp8()

@@ -1,0 +1,31 @@
+"""base_compute = int8: the base's weights and activations in int8 (symmetric absmax scales), its matmuls
+on int8 tensor cores (`torch._int_mm`, int32 out; Ampere and newer)."""
+from __future__ import annotations
+
+import torch
+
+from .mode import ComputeMode
+
+
+class Int8(ComputeMode):
+    name = "int8"
+    order = 2
+    held_dtype = "fp8"                                   # 1 byte a weight, counted as fp8 weights are
+    # compiled: fitted to the H100 runs ugpum/planning/calibration.json names; eager: the H200's steps in
+    # bench/results/speed.md (1.00 s against bf16's 0.61 s)
+    dense_speed = {"compiled": 0.88, "eager": 0.56}
+    quality = "LoRA gradients vs the bf16 base: cosine 0.9997 per block (klein 9B, H200)"
+    min_capability = (8, 0)
+    needs = "compute capability 8.0+ (Ampere or newer)"
+    qmax = 127.0
+    min_rows = 17                                        # torch._int_mm takes more than 16 rows
+
+    def to_grid(self, t):
+        return t.round().clamp(-self.qmax, self.qmax).to(torch.int8)
+
+    def matmul(self, a, sa, b_t, sb, out_dtype):
+        y = torch._int_mm(a, b_t.t()).float() * sa
+        return (y if sb is None else y * sb).to(out_dtype)
+
+
+MODE = Int8()
