@@ -84,8 +84,10 @@ def demo(models: str | None = None, steps: int | None = None, out: str = "out/de
     out_dir = Path(out)
     found = None
     if comfyui and not models:                         # taken for the tiny model too, never dropped unsaid
+        from ..arch import get_spec
         from .train import find_comfyui
-        found = find_comfyui(load_config("tiny-flux2"), comfyui, None, [])
+        tiny = load_config("tiny-flux2")
+        found = find_comfyui(tiny, get_spec(tiny.model), comfyui, None, [])
     out_dir.mkdir(parents=True, exist_ok=True)
     if models:
         return run_real_demo(Path(models), steps, out_dir, log, comfyui)
