@@ -1,12 +1,15 @@
-"""The planner's coefficients (ugpum/planning/calibration.json), fitted to runs of `python -m ugpum train` on a GPU
-(issue 29): the rows bench/cards.py writes, with what each block kept read off the allocator.
+"""The planner's coefficients, fitted to runs of `python -m ugpum train` on a GPU (issue 29): the rows bench/cards.py
+writes, with what each block kept read off the allocator.
 
     python bench/calibration_fit.py                  # print the coefficients and each row's forecast error
-    python bench/calibration_fit.py --write          # and write ugpum/planning/calibration.json
+    python bench/calibration_fit.py --write          # and write them where the planner reads them
 
-Rows: bench/results/calibration_fit.jsonl (`bash bench/calibration_session.sh OUT fit fitwan` on the device) and
-bench/results/calibration.json (`... klein`: the planner's picks on cards, made after the first fit; each such
-run first checks the coefficients as they were, then joins the fit).
+Where they go: the shared bf16 efficiencies into ugpum/planning/calibration.json, each family's memory, allocator,
+efficiency and host rows into ugpum/arch/<family>/calibration.json; each 8-bit mode's compiled dense speed is
+printed, for its file in ugpum/compute/modes/ (a mode's speed is part of its one file).
+Rows: bench/results/calibration_fit.jsonl (`bash bench/session.sh OUT fit` on the device) and
+bench/results/calibration.json (`... cards` and `wan-cards`: the planner's picks on cards, made after the first
+fit; each such run first checks the coefficients as they were, then joins the fit).
 
 Memory, in units of the hidden state between two blocks (ArchSpec.boundary_bytes; for a row whose blocks were
 recomputed, the unit is what such a block left alive, which is its output: this reads the tokens the dataset's
@@ -24,6 +27,7 @@ alone determine it (no swap in them), in that order.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import statistics
 import sys
@@ -33,16 +37,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from ugpum.planning import cost  # noqa: E402
-from ugpum.arch import Workload, get_spec  # noqa: E402
+from ugpum.arch import FAMILIES, Workload, get_spec  # noqa: E402
+from ugpum.compute.modes import MODES  # noqa: E402
 from support import recorded_forecasts  # noqa: E402
 # a row's workload, its hidden-state size and its kept blocks, read as the test holding the planner reads them
 from support.recorded_forecasts import kept_blocks, unit_bytes as measured_unit, workload  # noqa: E402
 
 GIB, MIB = 1024 ** 3, 1024 ** 2
 ROWS = [str(path) for path in recorded_forecasts.FILES]
-# Not measured with the 8-bit base run eagerly (compile off): the speeds recorded in bench/results/speed.md
-# (fp8 0.71 s and int8 1.00 s against bf16's 0.61 s, eager klein 9B on an H200), kept as they were.
-EAGER_DENSE_SPEED = {"bf16": 1.0, "fp8": 0.83, "int8": 0.56}
 
 
 def kept_units(rows: list[dict]) -> dict:
@@ -156,11 +158,11 @@ def time_table(rows: list[dict]) -> dict:
                 and family(r) == fam]
     # bf16: t = (D + A) / (R eff)
     eff = {c: statistics.mean(sum(flops(r)[:2]) / rate(r) for r in pick("bf16", c)) for c in (True, False)}
-    dense_speed = {"bf16": 1.0}
-    for mode in cost.EIGHT_BIT_MODES:           # t = (D / s + A) / (R eff)  ->  s = D / (t R eff - A)
-        got = [flops(r)[0] / (rate(r) * eff[True] - flops(r)[1]) for r in pick(mode, True)]
+    dense_speed = {mode.name: mode.dense_speed["compiled"] for mode in MODES}
+    for mode in (m for m in MODES if m.quantises):      # t = (D / s + A) / (R eff)  ->  s = D / (t R eff - A)
+        got = [flops(r)[0] / (rate(r) * eff[True] - flops(r)[1]) for r in pick(mode.name, True)]
         if got:
-            dense_speed[mode] = round(statistics.mean(got), 3)
+            dense_speed[mode.name] = round(statistics.mean(got), 3)
     families = {"flux2": 1.0}
     for r in timed:
         if family(r) != "flux2":
@@ -169,7 +171,12 @@ def time_table(rows: list[dict]) -> dict:
                 (d / dense_speed[r["base_compute"]] + a) / (rate(r) * eff[r["compile"] != "off"]))
     families = {k: (round(statistics.mean(v), 3) if isinstance(v, list) else v) for k, v in families.items()}
     return {"compiled_efficiency": round(eff[True], 4), "eager_efficiency": round(eff[False], 4),
-            "compiled_dense_speed": dense_speed, "eager_dense_speed": EAGER_DENSE_SPEED, "family": families}
+            "compiled_dense_speed": dense_speed, "family": families}
+
+
+def calibration_file(family) -> Path:
+    """Where a family's coefficients live: calibration.json in its folder."""
+    return Path(importlib.import_module(f"ugpum.arch.{family.name}").__file__).with_name("calibration.json")
 
 
 def main(argv=None) -> int:
@@ -180,22 +187,32 @@ def main(argv=None) -> int:
     rows = [json.loads(line) for name in a.rows if Path(name).exists()
             for line in Path(name).read_text().splitlines() if line.strip()]
     fitted = [r for r in rows if r.get("block_kept_mib")]
-    calibration = {
-        "about": "the planner's measured coefficients (ugpum/planning/cost.py reads them); memory in hidden-state units "
-                 "(ArchSpec.boundary_bytes), time as shares of the device's measured bf16 matmul rate",
-        "made_by": "python bench/calibration_fit.py --write",
-        "rows": [str(Path(n).resolve().relative_to(ROOT)) if Path(n).resolve().is_relative_to(ROOT) else n for n in a.rows],
-        "runs": sorted({f"{r['gpu']}, torch {r['torch']}" for r in fitted}),
-        "memory": memory_table(fitted),
-        "time": time_table(fitted),
-        "host": host_table(fitted),
-    }
-    cost.CALIBRATION = calibration
-    print(json.dumps(calibration, indent=1))
+    runs = sorted({f"{r['gpu']}, torch {r['torch']}" for r in fitted})
+    memory, time, host = memory_table(fitted), time_table(fitted), host_table(fitted)
+    shared = {**cost.CALIBRATION, "runs": runs,
+              "rows": [str(Path(n).resolve().relative_to(ROOT)) if Path(n).resolve().is_relative_to(ROOT) else n
+                       for n in a.rows],
+              "time": {k: time[k] for k in ("compiled_efficiency", "eager_efficiency")}}
+    families = []                             # (family, its fitted coefficients); one no row measured keeps its own
+    for family in FAMILIES:
+        if family.name in memory:
+            families.append((family, {**family.calibration, "runs": runs, "memory": memory[family.name],
+                                "allocator": memory["allocator"][family.name],
+                                "efficiency": time["family"].get(family.name, family.calibration["efficiency"]),
+                                "host_gib": host[family.name]}))
+    print(json.dumps({"shared": shared, **{f.name: fitted_rows for f, fitted_rows in families}}, indent=1))
+    print("compiled dense speed of each mode (its file in ugpum/compute/modes/):", time["compiled_dense_speed"])
+    cost.CALIBRATION = shared
+    for family, fitted_rows in families:
+        family.calibration.clear()
+        family.calibration.update(fitted_rows)
     print("\n".join(recorded_forecasts.table()))
     if a.write:
-        cost.CALIBRATION_FILE.write_text(json.dumps(calibration, indent=1) + "\n")
-        print(f"wrote {cost.CALIBRATION_FILE.relative_to(ROOT)}")
+        cost.CALIBRATION_FILE.write_text(json.dumps(shared, indent=1) + "\n")
+        for family, fitted_rows in families:
+            calibration_file(family).write_text(json.dumps(fitted_rows, indent=1) + "\n")
+        print("wrote", ", ".join(str(p.relative_to(ROOT)) for p in
+                                 [cost.CALIBRATION_FILE, *(calibration_file(f) for f, _ in families)]))
     return 0
 
 

@@ -1,7 +1,7 @@
 """FLUX.2 [klein] 9B at full size through the nodes in a ComfyUI running in its default GPU mode, with
-ComfyUI's memory watched around our run (issue 17 item 1; run by bench/comfyui_gpu.sh on the H200).
+ComfyUI's memory watched around our run (issue 17 item 1; bench/session.sh nodes runs it).
 
-The model files (bench/real_model_files.py: random weights, real formats, ComfyUI's names) are linked into
+The model files (bench/model_files.py klein-folder: random weights, real formats, ComfyUI's names) are linked into
 the test server's models folder (tests/support/comfy_server.py, started without --cpu). Phases, each one
 prompt, with GPU memory sampled every 0.25 s from NVML (the whole GPU) and ComfyUI's /system_stats
 (comfy.model_management's own view: free VRAM, and torch's reserved / reserved-but-free memory):
@@ -139,7 +139,7 @@ def ugpum_chain(save_name: str, steps: int, res: int) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--models", type=Path, required=True, help="folder with the files real_model_files.py wrote")
+    ap.add_argument("--models", type=Path, required=True, help="folder with the files `model_files.py klein-folder` wrote")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--resolution", type=int, default=512)

