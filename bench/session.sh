@@ -13,8 +13,8 @@
 # Sections, run in the order given:
 #   profile     attention kernels at our shapes (bench/attention_backends.py), then a kernel table by op class
 #               (bench/profile_steps.py) of ours on the newest ComfyUI, of ours as ComfyUI 0.33 would choose
-#               attention, of ours on ComfyUI 0.3.75's classes, and of the reference peer: klein 9B, bf16,
-#               recompute all (TRACE=1 keeps ours' timeline)
+#               attention, of ours on ComfyUI 0.3.75's classes, of the reference peer (klein 9B, bf16, recompute
+#               all; ours' timeline kept too), then of ours with the fp8 and the int8 base
 #   judge       the peer, then ours in each base-compute mode and recompute setting (issue 41's rows)
 #   wan-judge   Wan 2.1 14B at 640² x 17 frames: a diffusers + PEFT peer (bench/peer_wan.py), then ours
 #   cards       klein 9B, base compute auto + recompute auto, as the cards people own (CARDS: sizes in GiB,
@@ -88,12 +88,13 @@ for s in $sections; do
   profile) model_file $k9 flux2-klein-9b
     step "attention backends"
     timeout 90 python3 bench/attention_backends.py --rows "$out/attention.jsonl" 2>&1 | tee -a "$log" | tail -12
-    PROFILE=1 case_row prof-ours-bf16-all "$COMFYUI_PATH" $ours --base-compute bf16 --recompute all
+    PROFILE=1 TRACE=1 case_row prof-ours-bf16-all "$COMFYUI_PATH" $ours --base-compute bf16 --recompute all
     PROFILE=1 case_row prof-ours-bf16-all-comfy-attention "$COMFYUI_PATH" $ours --base-compute bf16 \
       --recompute all --experiment comfy-attention
     PROFILE=1 case_row prof-ours-075-bf16-all "$COMFYUI_075" $ours --base-compute bf16 --recompute all
     PROFILE=1 peer prof-peer .carry/peer_reference.py --steps 8
-    peer_done=1 ;;
+    peer_done=1
+    for m in fp8 int8; do PROFILE=1 case_row prof-ours-$m-all "$COMFYUI_PATH" $ours --base-compute $m --recompute all; done ;;
   judge) model_file $k9 flux2-klein-9b
     [ -n "${peer_done:-}" ] || peer judge-peer .carry/peer_reference.py --steps 8
     for m in bf16 fp8 int8; do case_row judge-$m-all "$COMFYUI_PATH" $ours --base-compute $m --recompute all; done
