@@ -60,6 +60,7 @@ profiled() {      # label: bench/profile_steps.py's wrapper when PROFILE is set
 kept_profile() {  # label: its table into the log, its files into OUT/profiles.tar
   [ -n "${PROFILE:-}" ] && [ -f /tmp/prof/$1.txt ] || return 0
   grep -A14 "^# " /tmp/prof/$1.txt | tee -a "$log"
+  mv /tmp/prof/$1.trace.json.gz "$out/" 2>/dev/null          # a file of its own: a call returns 16 MB a file
   (cd /tmp/prof && tar -rf "$out/profiles.tar" $1.*) && rm -f /tmp/prof/$1.*
 }
 case_row() {      # label, comfyui folder, then bench/cards.py arguments
