@@ -27,11 +27,11 @@ the same items, noise and timesteps) before the first step and after the last, t
 Preview samples are not rendered (the run log says so once): the model is spread over ranks.
 
 Stopping: Ctrl-C or SIGTERM on any rank sets a flag; at the end of the step every rank learns of it
-(a tiny all-reduce each step, `agree`) and hands the loop the same stop (a `DistributedStop`): the
+(a tiny all-reduce each step, `agree`) and hands the loop the same stop (`DistributedStop`): the
 loop's one stop handler has rank 0 save the checkpoint and the LoRA of the completed steps with the
-others, and every rank ends with one sentence (the command line words it, so the stop says it is told). A rank killed outright
-(SIGKILL, a crash) cannot save: torchrun stops the others and the run resumes from its last periodic
-checkpoint (`save_every`, `save_every_minutes`).
+others, and every rank ends with one sentence (the command line words it: the loop's `Stop` says it is
+told). A rank killed outright (SIGKILL, a crash) cannot save: torchrun stops the others and the run
+resumes from its last periodic checkpoint (`save_every`, `save_every_minutes`).
 """
 from __future__ import annotations
 

@@ -7,8 +7,9 @@ step's micro-batches over stages; they differ in where the stages live and in ho
 * one process: Ctrl-C or SIGTERM raises where it lands (`stopping.py`), and the loop saves the
   completed steps after any stop or error;
 * a rank: a signal only sets a flag, `agree` hands the loop the stop that every rank takes at the
-  same step (a `Stop` its front end words on each rank), and only that stop can be saved (the save needs every rank; after an error on one rank
-  the others cannot join it, and the run resumes from its last periodic checkpoint).
+  same step (a `Stop`: each rank's front end says what is kept), and only that stop can be saved (the
+  save needs every rank; after an error on one rank the others cannot join it, and the run resumes
+  from its last periodic checkpoint).
 
 The loop has one way to stop either way: whatever is raised during the steps reaches the one handler
 in `RunState.run_steps`, which saves what `can_save_after` allows.

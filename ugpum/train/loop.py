@@ -169,12 +169,13 @@ class RunState:
             raise
         except KeyboardInterrupt as why:
             if Stop.of(why).saved == self.step:          # a stop held back until the save was complete
-                self.kept(name)
+                self.done_saving(name)
             raise
-        self.kept(name)
+        self.done_saving(name)
         return path
 
-    def kept(self, name: str) -> None:
+    def done_saving(self, name: str) -> None:
+        """The save of the current step, as LoRA `name`, is complete: a stop keeps it."""
         self.saved, self.lora = self.step, self.run.files.lora(name)
 
     def after_save_note(self) -> str:
@@ -220,7 +221,7 @@ class RunState:
     def stopped(self, stop: Stop) -> Stop:
         """The one way a run stops: Ctrl-C, SIGTERM, ComfyUI's Cancel, an error, or the stop every rank took
         together. Keep what the completed steps trained where the stepper can (not again when the error was
-        this very save refused), say what is kept unless that is said, and the Stop that tells it."""
+        this very save refused) and say what is kept, unless it was said; the Stop the run ends with."""
         told = stop.told
         if self.step > self.saved and self.stepper.can_save_after(stop.why) and self.refused != self.step:
             self.keep_completed_steps(say=not told)

@@ -23,11 +23,15 @@ from ..wording import setting
 
 
 class Stopped(KeyboardInterrupt):
-    """A stop asked for by a signal other than Ctrl-C (or by one on another rank: `DistributedStop`)."""
+    """A stop asked for by a signal other than Ctrl-C, or by any signal on some rank of a distributed run
+    (`DistributedStop`)."""
 
     def __init__(self, signum: int, message: str | None = None):
         super().__init__(message or signal.Signals(signum).name)
         self.signum = signum
+
+
+_CARRIED = "ugpum_stop"               # the attribute a Stop rides on its exception as
 
 
 @dataclass(frozen=True)
@@ -37,8 +41,8 @@ class Stop:
     raised with its exception (`throw`); the loop and the front ends read it back (`Stop.of`)."""
     why: BaseException           # Ctrl-C, a signal (`Stopped`), ComfyUI's Cancel, an error, a distributed stop
     saved: int = 0               # the step the newest complete save holds (0: none, or not known where it was made)
-    lora: Path | None = None     # that save's LoRA (written by the lead), where this run wrote it
-    told: bool = False           # the user was told what is kept (or, each rank's stop, is told by the front end)
+    lora: Path | None = None     # that save's LoRA (None: no save of this run)
+    told: bool = False           # what is kept was said (a rank's stop: its front end says it)
 
     @classmethod
     def of(cls, error: BaseException) -> Stop:
@@ -56,9 +60,6 @@ class Stop:
         if isinstance(self.why, Stopped):
             return self.why.signum
         return signal.SIGINT if isinstance(self.why, KeyboardInterrupt) else None
-
-
-_CARRIED = "ugpum_stop"
 
 
 def _raise_stopped(signum, _frame):
