@@ -14,10 +14,6 @@ STANDARD_FIELDS = {field for name in BUILTIN_ERRORS for field in dir(getattr(bui
 ATTRIBUTE_CALLS = {"getattr", "hasattr", "setattr", "delattr"}
 
 
-def _names(node: ast.AST | None) -> set[str]:
-    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)} if node is not None else set()
-
-
 def _base_name(base: ast.expr) -> str:
     return base.attr if isinstance(base, ast.Attribute) else getattr(base, "id", "")
 
@@ -48,7 +44,8 @@ def _error_names(scope: ast.AST, errors: set[str]) -> set[str]:
             found.add(node.exc.id)
         elif isinstance(node, ast.Assign) and is_made(node.value):
             found |= {t.id for t in node.targets if isinstance(t, ast.Name)}
-        elif isinstance(node, ast.arg) and _names(node.annotation) & errors:
+        elif isinstance(node, ast.arg) and node.annotation is not None and \
+                {n.id for n in ast.walk(node.annotation) if isinstance(n, ast.Name)} & errors:
             found.add(node.arg)
     return found
 
@@ -82,5 +79,6 @@ def error_attributes(tree: ast.AST, errors: set[str], exempt: str | None = None)
     found = [n for scope in functions + top for n in _uses(scope, _error_names(scope, errors))]
     found += [n for c in ast.walk(tree) if isinstance(c, ast.ClassDef) and c.name in errors
               for n in c.body if isinstance(n, (ast.Assign, ast.AnnAssign))]
-    kept = {id(n): n for n in found if id(n) not in skipped}          # (a nested function is in two scopes)
-    return [f"line {n.lineno}: {ast.unparse(n).splitlines()[0]}" for n in sorted(kept.values(), key=lambda n: n.lineno)]
+    kept = sorted({id(n): n for n in found if id(n) not in skipped}.values(),      # (a nested function is in
+                  key=lambda n: n.lineno)                                          # two scopes)
+    return [f"line {n.lineno}: {ast.unparse(n).splitlines()[0]}" for n in kept]
