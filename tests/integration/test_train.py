@@ -14,6 +14,7 @@ from ugpum.train.config import ConfigError, load_config
 from ugpum.train.dataset import DatasetError
 from ugpum.train.batches import MicroBatches
 from ugpum.train.objective import validation_picks
+from ugpum.train.stopping import Stop
 from ugpum.commands.train import run_training as train
 
 pytestmark = pytest.mark.skipif(find_comfyui() is None, reason="needs ComfyUI's model classes")
@@ -65,10 +66,13 @@ def test_interrupted_then_resumed_run_ends_with_the_same_lora(full_run, tmp_path
         if calls["n"] > 23:
             raise KeyboardInterrupt
 
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(KeyboardInterrupt) as stopped:
         train(cfg(steps=50, save_every=10), tmp_path, check_interrupt=interrupt_at_step_23, **QUIET)
     assert latest_checkpoint(tmp_path).name == "step_000023"       # saved on the way out
     assert (tmp_path / "ugpum_lora_step23.safetensors").is_file()
+    stop = Stop.of(stopped.value)                                   # what the stop says it kept
+    assert (stop.why, stop.saved, stop.lora, stop.told) == \
+        (stopped.value, 23, tmp_path / "ugpum_lora_step23.safetensors", True)
     resumed = train(cfg(steps=50, save_every=10), tmp_path, resume=True, **QUIET)
     a, b = lora_tensors(reference.lora_path), lora_tensors(resumed.lora_path)
     assert a.keys() == b.keys()

@@ -436,3 +436,42 @@ def test_the_loop_uses_exactly_the_engines_contract_and_both_steppers_keep_it():
     assert sorted(set(contract) - used) == [], "the contract names members the loop does not use"
     for stepper in (OneProcessStepper, TorchrunRankStepper):
         assert contract_breaches(stepper, Stepper) == []
+
+
+# How a run stopped is one value (`ugpum.train.stopping.Stop`) raised with its exception and read back through
+# that class: no flag of our own is put on an exception or read off one (tests/support/error_attributes.py).
+def test_no_code_puts_its_own_attributes_on_an_exception_but_the_stop_value():
+    from support.error_attributes import error_attributes, error_classes
+    sample = ast.parse("\n".join([
+        "class Halt(KeyboardInterrupt):",
+        "    told = True",                                              # 2: a class-level flag
+        "    def __init__(self, signum):",
+        "        self.signum = signum",                                 # (its own field: fine)
+        "def f(err: OSError):",
+        "    try:",
+        "        pass",
+        "    except Exception as stop:",
+        "        stop.told = True",                                     # 9
+        "        if getattr(stop, 'told', False) or getattr(stop, 'errno', None):",   # 10: 'told' only
+        "            raise",
+        "    held = Halt(2) if err else KeyboardInterrupt()",
+        "    held.after_save, x = True, 1",                             # 13
+        "    setattr(err, 'save_step', 3)",                             # 14
+        "    return getattr(err, 'filename2', None)",                   # (a standard field: fine)
+        "class Stop:",
+        "    def throw(self, why: BaseException):",
+        "        setattr(why, 'stop', self)",                           # (the stop value itself: fine)
+        "other = 1",
+        "other.told = True",                                            # (not an exception)
+    ]))
+    errors = error_classes([sample])
+    assert {"Halt", "OSError", "KeyboardInterrupt"} <= errors
+    assert [f.split(":")[0] for f in error_attributes(sample, errors, exempt="Stop")] == \
+        ["line 2", "line 9", "line 10", "line 13", "line 14"]
+    files = {p: ast.parse(p.read_text(encoding="utf-8")) for folder in (PACKAGE, REPO / "nodes")
+             for p in sorted(folder.rglob("*.py"))}
+    errors = error_classes(list(files.values()))
+    stop_module = PACKAGE / "train" / "stopping.py"
+    offenders = [f"{p.relative_to(REPO)} {f}" for p, tree in files.items()
+                 for f in error_attributes(tree, errors, exempt="Stop" if p == stop_module else None)]
+    assert offenders == []

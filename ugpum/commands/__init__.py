@@ -8,7 +8,7 @@ import signal
 import sys
 
 from ..startup import started
-from ..train.stopping import stop_on_sigterm
+from ..train.stopping import Stop, stop_on_sigterm
 from ..wording import EngineError, for_cli
 from .bench import add_bench_parser, run_bench
 from .demo import add_demo_parser, run_demo
@@ -55,8 +55,8 @@ def _run(argv: list[str], output) -> int:
         with stop_on_sigterm():                          # SIGTERM stops every verb as Ctrl-C does, with a word
             started()                                    # (the start-up's stops end here: ugpum/startup.py)
             return COMMANDS[args.command][1](args)
-    except KeyboardInterrupt as stop:                   # Ctrl-C, or SIGTERM (ugpum.train.stopping)
-        signum = getattr(stop, "signum", signal.SIGINT)
+    except KeyboardInterrupt as why:                    # Ctrl-C, or SIGTERM (ugpum.train.stopping)
+        signum = Stop.of(why).signum
         if output.lost:                                  # (the stop the lost output asked for: said by main)
             return 0
         print(f"\nstopped by {signal.Signals(signum).name}", file=sys.stderr)

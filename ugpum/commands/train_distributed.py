@@ -41,6 +41,7 @@ def run_train_distributed(args, cfg: TrainConfig, spec, out: str, files, build_m
                           inputs: dict | None = None) -> int:
     """The CLI's distributed branch: a stop by a signal is one sentence per rank and exit 128 + signal."""
     from ..distributed.topology import DistributedStop
+    from ..train.stopping import Stop
     from .errors import UsageError
     from .prog import printer
     if not args.distributed:
@@ -50,7 +51,8 @@ def run_train_distributed(args, cfg: TrainConfig, spec, out: str, files, build_m
                                           data_parallel=args.data_parallel,
                                           resume=bool(args.resume), overwrite=getattr(args, "overwrite", False),
                                           log=printer("train"), comfyui=comfyui, inputs=inputs)
-    except DistributedStop as stop:
+    except DistributedStop as why:
+        stop = Stop.of(why)
         # One write per line: the ranks share torchrun's stderr, and print's separate newline let
         # two ranks' sentences run together on one line.
         sys.stderr.write(f"{stopped_sentence(stop, Path(out))}\n")
@@ -62,7 +64,7 @@ def run_train_distributed(args, cfg: TrainConfig, spec, out: str, files, build_m
 
 
 def stopped_sentence(stop, out: Path) -> str:
-    """What a rank says when a signal stopped every rank (`DistributedStop`): the loop saved the
-    completed steps with every rank before the stop reached here."""
-    return (f"{stop}: checkpoint and LoRA saved in {out} by rank 0; continue with the same torchrun command and "
+    """What a rank says when a signal stopped every rank (`stop.why`: a `DistributedStop`): the loop
+    saved the completed steps with every rank before the stop reached here."""
+    return (f"{stop.why}: checkpoint and LoRA saved in {out} by rank 0; continue with the same torchrun command and "
             f"--resume {out}")

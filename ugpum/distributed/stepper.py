@@ -29,9 +29,9 @@ Preview samples are not rendered (the run log says so once): the model is spread
 Stopping: Ctrl-C or SIGTERM on any rank sets a flag; at the end of the step every rank learns of it
 (a tiny all-reduce each step, `agree`) and hands the loop the same stop (`DistributedStop`): the
 loop's one stop handler has rank 0 save the checkpoint and the LoRA of the completed steps with the
-others, and every rank ends with one sentence (the command line words it). A rank killed outright
-(SIGKILL, a crash) cannot save: torchrun stops the others and the run resumes from its last periodic
-checkpoint (`save_every`, `save_every_minutes`).
+others, and every rank ends with one sentence (the command line words it: the loop's `Stop` says it is
+told). A rank killed outright (SIGKILL, a crash) cannot save: torchrun stops the others and the run
+resumes from its last periodic checkpoint (`save_every`, `save_every_minutes`).
 """
 from __future__ import annotations
 
@@ -53,6 +53,7 @@ from ..train.config import TrainConfig
 from ..train.errors import TrainingError
 from ..train.prepare import make_trainable, quantiser
 from ..train.run.folder import save_run
+from ..train.stopping import Stop
 from .forecast import distributed_plan
 from .schedule_run import GradientsInOrder, clip_pipeline, run_schedule
 from .stage_lora import full_lora, lora_params, stage_adapters, stage_lora
@@ -225,7 +226,7 @@ class TorchrunRankStepper:
     def clip(self, max_norm: float) -> None:
         clip_pipeline(self.params, max_norm, self.top)
 
-    def agree(self, step: int, loss: float, due: bool) -> tuple[float, bool, DistributedStop | None]:
+    def agree(self, step: int, loss: float, due: bool) -> tuple[float, bool, Stop | None]:
         """Every rank learns the step's loss (the last stages' sum), whether rank 0 is due to save, and
         whether a signal reached any rank: then every rank gets the same stop, at this step."""
         top, flags = self.top, self.flags
@@ -235,7 +236,8 @@ class TorchrunRankStepper:
                             dtype=torch.int64, device=top.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         signum, by, due_on_lead = (int(x) for x in flag.cpu())
-        stop = DistributedStop(signum, top.rank, by - 1, step) if signum else None
+        # told: each rank's front end says what is kept (commands/train_distributed.py), the loop nothing
+        stop = Stop(DistributedStop(signum, top.rank, by - 1, step), told=True) if signum else None
         return float(control[0]), bool(due_on_lead), stop
 
     def stop_guard(self):

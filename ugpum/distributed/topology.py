@@ -17,17 +17,17 @@ import torch.distributed as dist
 
 from ..placement.schedules import rank_stages, stages_per_rank
 from ..train.errors import TrainingError
+from ..train.stopping import Stopped
 
 
-class DistributedStop(KeyboardInterrupt):
+class DistributedStop(Stopped):
     """Signal `signum` reached rank `stopped_by`, and every rank stops after step `step` with the same
     stop, so that they save the completed steps together. `rank`: the rank that raised it."""
-    told = True        # the front end ends each rank with its own sentence: the loop adds none
 
     def __init__(self, signum: int, rank: int, stopped_by: int, step: int):
         name = signal.Signals(signum).name
-        super().__init__(f"rank {rank}: stopped by {name} on rank {stopped_by} after step {step}")
-        self.signum, self.rank, self.stopped_by, self.step = signum, rank, stopped_by, step
+        super().__init__(signum, f"rank {rank}: stopped by {name} on rank {stopped_by} after step {step}")
+        self.rank, self.stopped_by, self.step = rank, stopped_by, step
 
 
 # --------------------------------------------------------------------------------------------

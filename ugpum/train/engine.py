@@ -7,8 +7,9 @@ step's micro-batches over stages; they differ in where the stages live and in ho
 * one process: Ctrl-C or SIGTERM raises where it lands (`stopping.py`), and the loop saves the
   completed steps after any stop or error;
 * a rank: a signal only sets a flag, `agree` hands the loop the stop that every rank takes at the
-  same step, and only that stop can be saved (the save needs every rank; after an error on one rank
-  the others cannot join it, and the run resumes from its last periodic checkpoint).
+  same step (a `Stop`: each rank's front end says what is kept), and only that stop can be saved (the
+  save needs every rank; after an error on one rank the others cannot join it, and the run resumes
+  from its last periodic checkpoint).
 
 The loop has one way to stop either way: whatever is raised during the steps reaches the one handler
 in `RunState.run_steps`, which saves what `can_save_after` allows.
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
     from .batches import Features, MicroBatches
     from .config import TrainConfig
     from .run.folder import OpenedRun
+    from .stopping import Stop
 
 T = TypeVar("T")
 
@@ -67,7 +69,7 @@ class Stepper(Protocol):
     def clip(self, max_norm: float) -> None:
         """Clip the gradients of the whole LoRA to `max_norm` (their norm over every process)."""
 
-    def agree(self, step: int, loss: float, due: bool) -> tuple[float, bool, BaseException | None]:
+    def agree(self, step: int, loss: float, due: bool) -> tuple[float, bool, Stop | None]:
         """After step `step`: (its loss, whether a save is due, the stop every process takes now or None),
         the same on every process of the run."""
 

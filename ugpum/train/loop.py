@@ -5,7 +5,7 @@ distributed run alike. What differs between those is the stepper (`engine.Steppe
 for one process, `ugpum.distributed.stepper` for a rank of torchrun): where the model lives and how
 one step's micro-batches run. Everything else here is the same for both: the run folder, the
 learning rate, metrics, saves, validation, samples and what is kept when a run stops (one path:
-the handler in `RunState.run_steps`).
+`RunState.stopped`, whose `Stop` the exception carries out).
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ import torch
 from ..arch import ArchSpec, get_spec
 from ..compute.compile import compile_stats
 from ..formats.atomic import append_line, write_json_atomic
+from ..formats.refused import SaveRefused
 from ..planning.plan import Plan
 from ..wording import plain, setting
 from .batches import Features, MicroBatches, encode_features
@@ -36,7 +37,7 @@ from .run.folder import OpenedRun, earlier_run, keep_metrics_until, open_run  # 
 from .run.lock import hold_run_folder
 from .samples import Samples
 from .stepper import OneProcessStepper
-from .stopping import stop_on_sigterm, stopped_note
+from .stopping import Stop, stop_on_sigterm, stopped_note
 
 
 @dataclass
@@ -85,7 +86,8 @@ def train(cfg: TrainConfig, out: str | Path, model: torch.nn.Module, encoders, k
     replaces an earlier one unless `overwrite`. `stepper`: the engine (`engine.Stepper`; default: this
     process, `OneProcessStepper`). `inputs`: what the front end loaded the run from (file paths,
     JSON-ready), recorded in each checkpoint so that a resume can load the same. `hooks`: `Hooks`' fields. Every way the run ends keeps every completed step: a checkpoint, and
-    the LoRA so far. The run folder is locked for the run's life (another run into it is refused), and
+    the LoRA so far; a run stopped during its steps raises its exception with a `Stop` saying what is kept
+    (`stopping.Stop.of`). The run folder is locked for the run's life (another run into it is refused), and
     SIGTERM stops every phase as Ctrl-C does."""
     hooks["log"] = hooks.get("log") or print_plain
     out, stepper, log = Path(out), stepper or OneProcessStepper(plan), hooks["log"]
@@ -96,8 +98,8 @@ def train(cfg: TrainConfig, out: str | Path, model: torch.nn.Module, encoders, k
         try:
             return _train(cfg, spec or get_spec(cfg.model), out, model, encoders, key_prefix, resume, overwrite,
                           stepper, inputs, hooks)
-        except KeyboardInterrupt as stop:                # before or between the steps' own saves
-            if stepper.lead and not getattr(stop, "told", False):
+        except KeyboardInterrupt as why:                 # before or between the steps' own saves
+            if stepper.lead and not Stop.of(why).told:
                 log(stopped_note(out, resume))
             raise
 
@@ -154,18 +156,27 @@ class RunState:
     say: Callable
     step: int = 0
     saved: int = 0                         # the step the newest save holds
+    lora: Path | None = None               # that save's LoRA
+    refused: int | None = None             # the step whose save the system refused
     losses: list[float] = field(default_factory=list)
 
     def save(self, name: str, stopping: bool = False) -> Path | None:
         """A checkpoint and the LoRA at the current step (written by the lead)."""
         try:
             path = self.stepper.save(self.run, self.optimizer, self.step, name, stopping, self.say)
-        except KeyboardInterrupt as stop:
-            if getattr(stop, "after_save", False):       # a stop held back until the save was complete
-                self.saved = self.step
+        except SaveRefused:
+            self.refused = self.step                      # the run does not try this very save again on its way out
             raise
-        self.saved = self.step
+        except KeyboardInterrupt as why:
+            if Stop.of(why).saved == self.step:          # a stop held back until the save was complete
+                self.done_saving(name)
+            raise
+        self.done_saving(name)
         return path
+
+    def done_saving(self, name: str) -> None:
+        """The save of the current step, as LoRA `name`, is complete: a stop keeps it."""
+        self.saved, self.lora = self.step, self.run.files.lora(name)
 
     def after_save_note(self) -> str:
         """A stop just after the save of the current step: what this run trained is all on disk."""
@@ -201,30 +212,32 @@ class RunState:
                 if self.samples:
                     self.samples.take(self.step)                     # "after"
                     grid = self.samples.before_after(self.step)
-        except BaseException as stop:
-            # The one way a run stops: Ctrl-C, SIGTERM, ComfyUI's Cancel, an error, or the stop every rank took
-            # together. Keep what the completed steps trained where the stepper can, then stop (not again when
-            # the error was this very save finding the disk full).
-            this_save_failed = getattr(stop, "save_step", None) == self.step
-            if self.step > self.saved and stepper.can_save_after(stop) and not this_save_failed:
-                self.keep_completed_steps(stop)
-            elif self.step == self.saved > self.run.start and stepper.lead and not getattr(stop, "told", False):
-                # right after a save: all it trained is kept
-                self.say(self.after_save_note())
-                stop.told = True
-            raise
+        except BaseException as why:
+            self.stopped(Stop.of(why)).throw()
         return TrainResult(lora_path, self.step, self.losses, self.plan, self.features.hits, self.features.misses,
                            before, after, peak, self.samples.paths if self.samples else [], grid,
                            resumed_at=self.run.start)
 
-    def keep_completed_steps(self, stop: BaseException) -> None:
-        """Save the steps completed before `stop`, and say so (unless the stop carries its own sentence)."""
+    def stopped(self, stop: Stop) -> Stop:
+        """The one way a run stops: Ctrl-C, SIGTERM, ComfyUI's Cancel, an error, or the stop every rank took
+        together. Keep what the completed steps trained where the stepper can (not again when the error was
+        this very save refused) and say what is kept, unless it was said; the Stop the run ends with."""
+        told = stop.told
+        if self.step > self.saved and self.stepper.can_save_after(stop.why) and self.refused != self.step:
+            self.keep_completed_steps(say=not told)
+            told = True
+        elif self.step == self.saved > self.run.start and self.stepper.lead and not told:
+            self.say(self.after_save_note())              # right after a save: all it trained is kept
+            told = True
+        return Stop(stop.why, self.saved, self.lora, told)
+
+    def keep_completed_steps(self, say: bool) -> None:
+        """Save the steps completed before the stop, and `say` so."""
         partial = self.save(self.partial_name(), stopping=True)
-        if not getattr(stop, "told", False):
+        if say:
             out = self.run.out
             self.say(f"\nstopped at step {self.step}: checkpoint and LoRA saved in {out}; "
                      f"continue with {setting('resume', out)}")
-            stop.told = True
         if self.hooks.on_partial_lora and partial is not None:
             self.hooks.on_partial_lora(partial)
 
@@ -258,7 +271,7 @@ class RunState:
                 self.record(loss, time.perf_counter() - t0)
                 progress.update(self.step, loss)
             if stop is not None:              # a signal on some rank: every rank stops here, once the step is logged
-                raise stop
+                stop.throw()
             if self.step == self.run.start + 1 and compile_stats().graphs:      # what the first step compiled
                 self.say(compile_stats().line())
             if h.on_step:

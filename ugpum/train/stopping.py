@@ -6,22 +6,60 @@ being written, both signals are held back (`saving`): a second Ctrl-C cannot cut
 half. Signal handlers exist only in the main thread; elsewhere (ComfyUI runs nodes in a worker
 thread, and stops them with its own Cancel) these are no-ops. A stop in any other phase (reading the
 data, caching features, placing the model) says what is kept and how to go on (`stopped_note`).
+
+How a run stopped is one value, `Stop`: why, and what its newest complete save holds. It travels with the
+exception that stopped the run (`Stop.throw`), so the loop and the front ends read it there (`Stop.of`).
 """
 from __future__ import annotations
 
 import contextlib
 import signal
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NoReturn
 
 from ..startup import signals_handled
 from ..wording import setting
 
 
 class Stopped(KeyboardInterrupt):
-    """A stop asked for by a signal other than Ctrl-C."""
+    """A stop asked for by a signal other than Ctrl-C, or by any signal on some rank of a distributed run
+    (`DistributedStop`)."""
 
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
+    def __init__(self, signum: int, message: str | None = None):
+        super().__init__(message or signal.Signals(signum).name)
         self.signum = signum
+
+
+_CARRIED = "ugpum_stop"               # the attribute a Stop rides on its exception as
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Why a run stopped, and what it kept. Made where that is known (a save that held a stop back until
+    it was complete, the stop every rank of a distributed run takes, the loop's one stop handler) and
+    raised with its exception (`throw`); the loop and the front ends read it back (`Stop.of`)."""
+    why: BaseException           # Ctrl-C, a signal (`Stopped`), ComfyUI's Cancel, an error, a distributed stop
+    saved: int = 0               # the step the newest complete save holds (0: none, or not known where it was made)
+    lora: Path | None = None     # that save's LoRA (None: no save of this run)
+    told: bool = False           # what is kept was said (a rank's stop: its front end says it)
+
+    @classmethod
+    def of(cls, error: BaseException) -> Stop:
+        """The Stop `error` was raised with; for an exception raised without one, a Stop that knows only why."""
+        return getattr(error, _CARRIED, None) or cls(error)
+
+    def throw(self) -> NoReturn:
+        """Raise `why`, carrying this Stop (the one attribute put on an exception)."""
+        setattr(self.why, _CARRIED, self)
+        raise self.why
+
+    @property
+    def signum(self) -> int | None:
+        """The signal that asked for the stop (Ctrl-C: SIGINT); None for an error or ComfyUI's Cancel."""
+        if isinstance(self.why, Stopped):
+            return self.why.signum
+        return signal.SIGINT if isinstance(self.why, KeyboardInterrupt) else None
 
 
 def _raise_stopped(signum, _frame):
@@ -48,10 +86,10 @@ def request_stop(signum: int) -> None:
 
 
 @contextlib.contextmanager
-def saving(log, stopping: bool = False):
-    """Hold Ctrl-C and SIGTERM (and `request_stop`) back while the block writes a save. A stop that came
-    meanwhile stops the run once the save is complete, unless the run is `stopping` already (then it is
-    noted)."""
+def saving(log, at: int, stopping: bool = False):
+    """Hold Ctrl-C and SIGTERM (and `request_stop`) back while the block writes the save of step `at`. A
+    stop that came meanwhile stops the run once the save is complete (its Stop says so), unless the run is
+    `stopping` already (then it is noted)."""
     held: list[int] = []
 
     def hold(signum, _frame):
@@ -64,9 +102,8 @@ def saving(log, stopping: bool = False):
     finally:
         _saves.remove(held)
     if held and not stopping:
-        stop = KeyboardInterrupt() if held[0] == signal.SIGINT else Stopped(held[0])
-        stop.after_save = True               # the save is complete: nothing of it needs doing again
-        raise stop
+        why = KeyboardInterrupt() if held[0] == signal.SIGINT else Stopped(held[0])
+        Stop(why, saved=at).throw()          # the save is complete: nothing of it needs doing again
 
 
 def stopped_note(out, resume: bool = False) -> str:

@@ -107,19 +107,15 @@ def refused_kept(refused: SaveRefused, out: Path, at: int, lora_path: Path | Non
     read-only disk, an I/O error) with what is on disk after it, truly: the LoRA of that step when it was
     saved, the newest intact checkpoint (which a resume continues from), or none."""
     if refused.errno == errno.EIO:             # the disk cannot be read either: claim nothing about it
-        err = SaveRefused(f"{refused}; what was saved before stays on that disk, which cannot be read now: once "
-                          f"it can, {setting('resume', out)} continues from its newest intact checkpoint", errno.EIO)
-        err.save_step = at
-        return err
+        return SaveRefused(f"{refused}; what was saved before stays on that disk, which cannot be read now: once "
+                           f"it can, {setting('resume', out)} continues from its newest intact checkpoint", errno.EIO)
     checkpoint = latest_checkpoint(out)
     kept = [f"the LoRA of step {at} ({lora_path.name})"] if lora_path else []
     kept += [f"the checkpoint {checkpoint.name}, which {setting('resume', out)} continues from"] if checkpoint else []
     said = ("kept: " + " and ".join(kept) + "; ") if kept else ""
     said += "" if checkpoint else "no checkpoint of this run is on disk, so a resume cannot continue it"
     message = f"{refused}; {said.removesuffix('; ')}"
-    err = DiskFull(message) if isinstance(refused, DiskFull) else SaveRefused(message, refused.errno)
-    err.save_step = at                   # the run does not try this very save again on its way out
-    return err
+    return DiskFull(message) if isinstance(refused, DiskFull) else SaveRefused(message, refused.errno)
 
 
 def check_finite_lora(lora: LoraSet, what: str) -> None:

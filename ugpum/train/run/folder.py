@@ -212,7 +212,7 @@ def save_run(run: OpenedRun, cfg: TrainConfig, spec, lora: LoraSet, optimizer, a
     full disk, a file-size limit, a quota, a read-only disk, an I/O error) keeps what was saved before and
     says what is kept."""
     log(f"saving checkpoint and LoRA at step {at}")
-    with saving(log, stopping):
+    with saving(log, at, stopping):
         try:
             save_checkpoint(run.out, at, lora, optimizer, {"model": spec.id, "identity": run.identity,
                                                            "inputs": run.inputs, "interrupted": stopping})
