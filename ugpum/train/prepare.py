@@ -17,7 +17,8 @@ from ..planning.forecast import recompute_line
 from ..compute.dtypes import TORCH_DTYPES
 from ..compute.inplace_guard import guard_inplace_residuals
 from ..placement.place import place_by_plan
-from ..planning.plan import Plan, plan_training
+from ..planning.plan import Plan
+from ..planning.space import best_plan, host_limit
 from ..placement.schedules import DISTRIBUTED_ONLY
 from .config import TrainConfig
 from .lr_schedule import lr_factor  # noqa: F401 (the loop's and the benches' import)
@@ -34,9 +35,9 @@ def plan_for(cfg: TrainConfig, spec: ArchSpec | None = None) -> Plan:
                             f"({setting('distributed')} under torchrun, README \"Past one machine\"); one process "
                             "runs auto, sequential, gpipe or 1f1b")
     spec = spec or get_spec(cfg.model)
-    return plan_training(spec, resolve_devices(cfg.devices, spec, training=True, desktop_gib=cfg.desktop_gib),
-                         cfg.workload(),
-                         grad_accum=cfg.grad_accum, schedule=cfg.schedule)
+    devices = resolve_devices(cfg.devices, spec, training=True, desktop_gib=cfg.desktop_gib)
+    return best_plan(spec, devices, cfg.workload(), grad_accum=cfg.grad_accum, schedule=cfg.schedule,
+                     replicas=cfg.replicas, host_available=host_limit(devices))
 
 
 def base_linear_paths(spec, block_paths: list[str]) -> list[str]:

@@ -1,0 +1,177 @@
+"""The plan space: every way the GPUs given can train the model, each with its forecast, and the fastest that
+fits in GPU and host memory (`best_plan`: what every front end plans with).
+
+The layouts of N GPUs for a step of m micro-batches:
+
+* one card: one of the GPUs alone (its own plan: block swap, 8-bit base compute, recompute);
+* the split: the model's blocks over all N (`plan.plan_training`), micro-batches pipelined over them;
+* R replicas: R copies of the model, each over N / R of the GPUs (one card each when R = N, else a split),
+  each training its consecutive share of the m micro-batches with its own plan; the LoRA gradients are
+  summed on the first copy once a step (`replicas.py` counts that, the host memory the copies share, and
+  whether one process can drive them).
+
+A replica needs a micro-batch to train, so R <= m. The `replicas` setting fixes R (1: one copy, the split);
+0 lets the forecast choose. On the CPU (the tiny test models) there is no forecast to choose by: one copy,
+unless the setting asks for more.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from ..wording import setting
+from .devices import Device, host_memory, speed_assumed
+from .plan import GIB, Plan, PlanError, memory_assumed, plan_training
+from .replicas import (assumed, averaging_seconds, host_gib, host_rate_shared, one_process_factor, runs_as, shares)
+
+
+CLOSE = 0.02          # forecasts this close count as a tie
+
+
+def layouts_to_weigh(n: int, grad_accum: int, replicas: int, cpu: bool) -> list[tuple[int, int]]:
+    """(copies, GPUs per copy) of every layout to weigh; the split (1, n) first."""
+    if replicas:
+        if n % replicas or replicas > max(grad_accum, 1):
+            need = f"{n} device(s) do not divide into {replicas} replicas" if n % replicas else (
+                f"{replicas} replicas need at least {replicas} micro-batches per step, one each")
+            raise PlanError(f"setting replicas = {replicas}: {need}; set {setting('replicas', 0)} to let the planner "
+                            f"choose, or {setting('replicas', 1)} for one copy over every device")
+        return [(replicas, n // replicas)]
+    if cpu:
+        return [(1, n)]
+    several = [(r, n // r) for r in range(2, n + 1) if n % r == 0 and r <= grad_accum]
+    return [(1, n)] + sorted(several, key=lambda c: -c[0]) + ([(1, 1)] if n > 1 else [])
+
+
+def title(copies: int, size: int, n: int, device: Device | None = None) -> str:
+    """A layout's name in the table: one card (which), the split, replicas (of splits)."""
+    if copies == 1 and size == 1:
+        return f"one card ({device.label})" if n > 1 else "one card"
+    if copies == 1:
+        return f"split over {size} GPUs"
+    return f"{copies} replicas" + ("" if size == 1 else f" of a {size}-GPU split")
+
+
+def replicated(spec, groups: list[list[Device]], w, grad_accum: int, schedule: str) -> Plan:
+    """The plan of len(groups) replicas, each over its devices, its share of the micro-batches, its own plan."""
+    parts = shares(grad_accum, len(groups))
+    plans = [plan_training(spec, g, w, s, schedule) for g, s in zip(groups, parts)]
+    slowed = host_rate_shared(groups, plans)
+    if slowed is not groups:          # several swap: each at its share of host memory's rate
+        plans = [plan_training(spec, g, w, s, schedule) if p.offloaded_blocks else p
+                 for g, s, p in zip(slowed, parts, plans)]
+    how = runs_as()
+    average = averaging_seconds(spec, w, plans, groups)
+    step = max(p.predicted_step_s for p in plans) * one_process_factor(how) + average
+    first = plans[0]
+    devices = [d for g in groups for d in g]
+    lines = list(dict.fromkeys(f"{d.label}: {memory_assumed(d)}; {speed_assumed(d)}" for d in devices
+                               if d.torch_device != "cpu")) + assumed(spec, w, plans, groups, how)
+    plan = dataclasses.replace(
+        first, grad_accum=grad_accum, predicted_step_s=step, replicas=plans, shares=parts, average_s=average,
+        runs_as=how, forecast_host_gib=host_gib(spec, plans, how), swap_forecast=None, alternatives=[],
+        base_compute_note="", swap_bytes_per_step=sum(p.swap_bytes_per_step for p in plans),
+        crossing_bytes_per_step=sum(p.crossing_bytes_per_step for p in plans), assumed=lines)
+    plan.verdict = replicas_verdict(plan, devices)
+    return plan
+
+
+def replicas_verdict(plan: Plan, devices: list[Device]) -> str:
+    """The sentence of a plan of replicas: how many, how each trains, how fast, how they run."""
+    r, size = len(plan.replicas), len(plan.replicas[0].stages)
+    where = "its own GPU" if size == 1 else f"its own {size} GPUs"
+    if all(d.torch_device == "cpu" for d in devices):
+        return f"A CPU run ({', '.join(d.label for d in devices)}) as {r} replicas: fits, no step-time forecast."
+    each = "; ".join(sorted({copy_summary(p) for p in plan.replicas}))
+    share = str(plan.shares[0]) if len(set(plan.shares)) == 1 else "/".join(map(str, plan.shares))
+    return (f"{r} replicas, each on {where} training {share} of the {plan.grad_accum} "
+            f"micro-batches ({each}): {plan.predicted_step_s:.2f} s/step with {plan.average_s:.2f} s averaging the "
+            f"LoRA gradients, in {plan.runs_as}.")
+
+
+def copy_summary(p: Plan) -> str:
+    """One copy's plan in a few words: its base compute, and its swap or fullest GPU."""
+    fill = f"{len(p.offloaded_blocks)} blocks swapped" if p.offloaded_blocks else \
+        f"{max(s.forecast_gib for s in p.stages):.1f} GiB"
+    return f"{p.base_compute}, {fill}"
+
+
+def row(name: str, copies: int, size: int, plan: Plan | None, why: str = "") -> dict:
+    """One line of the layouts table."""
+    if plan is None:
+        return {"layout": name, "replicas": copies, "gpus_each": size, "predicted_step_s": None, "gpu_gib": None,
+                "host_gib": None, "plan": "", "fits": False, "note": why, "chosen": False}
+    return {"layout": name, "replicas": copies, "gpus_each": size, "predicted_step_s": plan.predicted_step_s,
+            "gpu_gib": max(s.forecast_gib for p in plan.copies for s in p.stages), "host_gib": plan.forecast_host_gib,
+            "plan": "; ".join(sorted({copy_summary(p) for p in plan.copies})), "fits": not why, "note": why,
+            "chosen": False}
+
+
+def weighed(spec, devices: list[Device], w, grad_accum: int, schedule: str, split: list[int] | None,
+            replicas: int, host_available: float | None) -> list[tuple[dict, Plan | None, PlanError | None]]:
+    """(table row, plan or None, its PlanError or None) of every layout weighed, the split first."""
+    n, cpu = len(devices), all(d.torch_device == "cpu" for d in devices)
+    out = []
+    for copies, size in layouts_to_weigh(n, grad_accum, 1 if split else replicas, cpu):
+        tries = [[[d]] for d in _distinct(devices)] if (copies, size) == (1, 1) and n > 1 else \
+            [[devices[c * size:(c + 1) * size] for c in range(copies)]]          # (each: the copies' devices)
+        best, error = None, None
+        for groups in tries:
+            try:
+                plan = replicated(spec, groups, w, grad_accum, schedule) if copies > 1 else \
+                    plan_training(spec, groups[0], w, grad_accum, schedule, split if size == n else None)
+            except PlanError as e:
+                error = error or e
+                continue
+            if best is None or plan.predicted_step_s < best.predicted_step_s:
+                best = plan
+        one = (_device(devices, best) if best else devices[0]) if (copies, size) == (1, 1) else None
+        name = title(copies, size, n, one)
+        short = "" if best is None or host_available is None or best.forecast_host_gib * GIB <= host_available else \
+            f"host memory: needs {best.forecast_host_gib:.1f} GiB, {host_available / GIB:.1f} available"
+        out.append((row(name, copies, size, best, short or ("" if best else "does not fit")), best,
+                    None if best else error))
+    return out
+
+
+def _distinct(devices: list[Device]) -> list[Device]:
+    """The devices, one of each kind (the same memory, speed and link)."""
+    seen, out = set(), []
+    for d in devices:
+        kind = (d.free_bytes, d.desktop_bytes, d.tflops_bf16, d.host_gbps, d.compute_capability)
+        if kind not in seen:
+            seen.add(kind)
+            out.append(d)
+    return out
+
+
+def _device(devices: list[Device], plan: Plan) -> Device:
+    return next(d for d in devices if d.label == plan.stages[0].device)
+
+
+def best_plan(spec, devices: list[Device], w, grad_accum: int = 1, schedule: str = "auto",
+              split: list[int] | None = None, replicas: int = 0, host_available: float | None = None) -> Plan:
+    """The plan a run uses: of the layouts weighed (`layouts_to_weigh`), the fastest whose forecast fits the
+    GPUs and `host_available` bytes of host memory (None: not checked; where none fits it, the fastest), with
+    the table of every layout weighed (`Plan.layouts`). `split`: block counts per device, the split alone."""
+    if not devices:
+        return plan_training(spec, devices, w, grad_accum, schedule, split)        # (its sentence)
+    options = weighed(spec, devices, w, grad_accum, schedule, split, replicas, host_available)
+    made = [(r, p) for r, p, _ in options if p is not None]
+    if not made:
+        raise next(e for _, _, e in options if e is not None)
+    fitting = [(r, p) for r, p in made if r["fits"]] or made
+    fastest = min(p.predicted_step_s for _, p in fitting)
+    # within the forecast's noise of the fastest, the first weighed: the split before replicas, replicas before
+    # one card (a split that holds every block, not one card streaming most of them, for 0.1 % less)
+    chosen_row, chosen = next((r, p) for r, p in fitting if p.predicted_step_s <= fastest * (1 + CLOSE))
+    chosen_row["chosen"] = True
+    chosen.layouts = [r for r, _, _ in options] if len(options) > 1 else []
+    return chosen
+
+
+def host_limit(devices: list[Device]) -> float | None:
+    """The host memory a plan over `devices` may fill: this machine's available RAM when they are its GPUs;
+    None (not checked) for GPUs described by hand, whose host is not this one, and for the CPU."""
+    if not any((d.torch_device or "").startswith("cuda") for d in devices):
+        return None
+    return host_memory()[1] or None
