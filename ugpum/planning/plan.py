@@ -433,23 +433,24 @@ def _plan(spec, devices, w, grad_accum, layout: Layout, schedule: str, in_flight
 
 
 def plan_training(spec: ArchSpec, devices: list[Device], w: Workload, grad_accum: int = 1,
-                  schedule: str = "auto", split: list[int] | None = None) -> Plan:
+                  schedule: str = "auto", split: list[int] | None = None, listed: bool = True) -> Plan:
     """The plan a training run uses, and the only one any front end shows: the split, its forecast
     and the micro-batch schedule, with the activations of every micro-batch that schedule keeps in
     flight counted in each stage's memory. `schedule` "auto" takes the fastest order for the split.
     `w.base_compute` "auto" picks the base's precision (`choose_base_compute`); a bf16 plan that swaps
-    blocks lists the quantised plans the devices could run instead (`Plan.alternatives`)."""
+    blocks lists the quantised plans the devices could run instead (`Plan.alternatives`; not when `listed` is
+    False: a plan only weighed against others)."""
     if w.base_compute == AUTO:
-        return choose_base_compute(spec, devices, w, grad_accum, schedule, split)
+        return choose_base_compute(spec, devices, w, grad_accum, schedule, split, listed)
     _check_tensor_cores(w.base_compute, devices)
     layout, chosen, held = _scheduled(spec, devices, w, grad_accum, schedule, split)
     return _plan(spec, devices, w, grad_accum, layout, chosen, held,
-                 alternatives=_alternatives_to(w, layout, spec, devices, grad_accum, schedule, split))
+                 alternatives=_alternatives_to(w, layout, spec, devices, grad_accum, schedule, split, listed))
 
 
-def _alternatives_to(w, layout, spec, devices, grad_accum, schedule, split) -> list[dict]:
-    """The quantised plans beside an exact base that swaps blocks (none otherwise)."""
-    if mode_named(w.base_compute).quantises or not layout.offloaded_blocks:
+def _alternatives_to(w, layout, spec, devices, grad_accum, schedule, split, listed: bool = True) -> list[dict]:
+    """The quantised plans beside an exact base that swaps blocks (none otherwise, or unless `listed`)."""
+    if mode_named(w.base_compute).quantises or not layout.offloaded_blocks or not listed:
         return []
     return _quantised_alternatives(spec, devices, w, grad_accum, schedule, split)
 
@@ -512,7 +513,7 @@ def _quantised_alternatives(spec, devices, w, grad_accum, schedule, split) -> li
 
 
 def choose_base_compute(spec: ArchSpec, devices: list[Device], w: Workload, grad_accum: int = 1,
-                        schedule: str = "auto", split: list[int] | None = None) -> Plan:
+                        schedule: str = "auto", split: list[int] | None = None, listed: bool = True) -> Plan:
     """base_compute = auto: the exact base (bf16) wherever it fits without block swap; otherwise the first
     tensor-core mode every device runs (fp8 from Ada/Hopper on, int8 on Ampere), which holds and streams
     half the bytes, unless the forecast says it would be slower. The plan says which and why."""
@@ -526,7 +527,7 @@ def choose_base_compute(spec: ArchSpec, devices: list[Device], w: Workload, grad
     def exact_plan(why: str) -> Plan:
         layout, chosen, held = exact_layout
         return _plan(spec, devices, w16, grad_accum, layout, chosen, held, f"base compute auto: {exact} ({why})",
-                     _alternatives_to(w16, layout, spec, devices, grad_accum, schedule, split))
+                     _alternatives_to(w16, layout, spec, devices, grad_accum, schedule, split, listed))
     if exact_layout is not None and not exact_layout[0].offloaded_blocks:
         return exact_plan("the model fits without block swap")
     chosen_mode = devices_mode(devices)
@@ -553,7 +554,7 @@ def choose_base_compute(spec: ArchSpec, devices: list[Device], w: Workload, grad
                 f"s/step, {mode} {swaps8} at {layout8.predicted_step_s:.2f} s/step")
     if layout8.predicted_step_s > layout16.predicted_step_s:
         return exact_plan(f"{compared}: {exact} is faster")
-    others = [a for a in _alternatives_to(w16, layout16, spec, devices, grad_accum, schedule, split)
+    others = [a for a in _alternatives_to(w16, layout16, spec, devices, grad_accum, schedule, split, listed)
               if a["base_compute"] != mode]
     return _plan(spec, devices, workload_in_mode(w, mode), grad_accum, layout8, chosen8, held8,
                  f"base compute auto: {mode} ({compared}; {chosen_mode.quality})", others)

@@ -68,6 +68,15 @@ def averaging_seconds(spec, w, plans, groups: list[list[Device]]) -> float:
     return sending + sum(size / link for link in links)
 
 
+def room_for_gradients(spec, w, groups: list[list[Device]], parts: list[int]) -> list[list[Device]]:
+    """The replicas' devices less what each replica of one GPU after the first keeps of its micro-batches'
+    gradients until the step ends (all but one: that one is the gradient any run holds)."""
+    size = lora_gradient_bytes(spec, w)
+    return [g if r == 0 or len(g) > 1 or n < 2 else
+            [dataclasses.replace(d, free_bytes=d.free_bytes - (n - 1) * size) for d in g]
+            for r, (g, n) in enumerate(zip(groups, parts))]
+
+
 def host_rate_shared(groups: list[list[Device]], plans) -> list[list[Device]]:
     """The replicas' devices with each host link slowed to its share of host memory where several replicas
     swap (unchanged where at most one does)."""
@@ -106,6 +115,6 @@ def assumed(spec, w, plans, groups: list[list[Device]], how: str) -> list[str]:
     if swapping > 1:
         lines.append(f"host memory read at {HOST_MEMORY_GBPS:g} GB/s by the {swapping} replicas that swap, "
                      f"{HOST_MEMORY_GBPS / swapping:g} GB/s each (dual-channel DDR4's; not measured)")
-    lines.append(f"{how}: one process loses {ONE_PROCESS_LOSS:.0%} of a step driving two GPUs (not measured yet: "
-                 f"bench/replicas_one_process.py); above {ONE_PROCESS_LIMIT:.0%} the replicas run as processes")
+    lines.append(f"replicas in {how}: one process driving two GPUs loses {ONE_PROCESS_LOSS:.0%} of a step (not "
+                 f"measured yet: bench/replicas_one_process.py); above {ONE_PROCESS_LIMIT:.0%} they run as processes")
     return lines

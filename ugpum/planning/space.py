@@ -17,11 +17,14 @@ unless the setting asks for more.
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
+from ..compute.modes import mode_named
 from ..wording import setting
 from .devices import Device, host_memory, speed_assumed
 from .plan import GIB, Plan, PlanError, memory_assumed, plan_training
-from .replicas import (assumed, averaging_seconds, host_gib, host_rate_shared, one_process_factor, runs_as, shares)
+from .replicas import (assumed, averaging_seconds, host_gib, host_rate_shared, one_process_factor,
+                       room_for_gradients, runs_as, shares)
 
 
 CLOSE = 0.02          # forecasts this close count as a tie
@@ -33,8 +36,8 @@ def layouts_to_weigh(n: int, grad_accum: int, replicas: int, cpu: bool) -> list[
         if n % replicas or replicas > max(grad_accum, 1):
             need = f"{n} device(s) do not divide into {replicas} replicas" if n % replicas else (
                 f"{replicas} replicas need at least {replicas} micro-batches per step, one each")
-            raise PlanError(f"setting replicas = {replicas}: {need}; set {setting('replicas', 0)} to let the planner "
-                            f"choose, or {setting('replicas', 1)} for one copy over every device")
+            raise PlanError(f"{setting('replicas', replicas)}: {need}; set {setting('replicas', 0)} to let the "
+                            f"planner choose, or {setting('replicas', 1)} for one copy over every device")
         return [(replicas, n // replicas)]
     if cpu:
         return [(1, n)]
@@ -54,10 +57,11 @@ def title(copies: int, size: int, n: int, device: Device | None = None) -> str:
 def replicated(spec, groups: list[list[Device]], w, grad_accum: int, schedule: str) -> Plan:
     """The plan of len(groups) replicas, each over its devices, its share of the micro-batches, its own plan."""
     parts = shares(grad_accum, len(groups))
-    plans = [plan_training(spec, g, w, s, schedule) for g, s in zip(groups, parts)]
-    slowed = host_rate_shared(groups, plans)
-    if slowed is not groups:          # several swap: each at its share of host memory's rate
-        plans = [plan_training(spec, g, w, s, schedule) if p.offloaded_blocks else p
+    roomy = room_for_gradients(spec, w, groups, parts)
+    plans = [plan_training(spec, g, w, s, schedule, listed=False) for g, s in zip(roomy, parts)]
+    slowed = host_rate_shared(roomy, plans)
+    if slowed is not roomy:           # several swap: each at its share of host memory's rate
+        plans = [plan_training(spec, g, w, s, schedule, listed=False) if p.offloaded_blocks else p
                  for g, s, p in zip(slowed, parts, plans)]
     how = runs_as()
     average = averaging_seconds(spec, w, plans, groups)
@@ -89,10 +93,11 @@ def replicas_verdict(plan: Plan, devices: list[Device]) -> str:
 
 
 def copy_summary(p: Plan) -> str:
-    """One copy's plan in a few words: its base compute, and its swap or fullest GPU."""
+    """One copy's plan in a few words: its weights or 8-bit base compute, and its swap or fullest GPU."""
     fill = f"{len(p.offloaded_blocks)} blocks swapped" if p.offloaded_blocks else \
         f"{max(s.forecast_gib for s in p.stages):.1f} GiB"
-    return f"{p.base_compute}, {fill}"
+    held = f"{p.base_compute} compute" if mode_named(p.base_compute).quantises else f"{p.workload['held_dtype']} weights"
+    return f"{held}, {fill}"
 
 
 def row(name: str, copies: int, size: int, plan: Plan | None, why: str = "") -> dict:
@@ -106,30 +111,42 @@ def row(name: str, copies: int, size: int, plan: Plan | None, why: str = "") -> 
             "chosen": False}
 
 
+@dataclass
+class Weighed:
+    """One layout weighed: its row of the table, its best plan (None: it does not fit, `error` says why) and
+    the devices of each copy that plan was made over."""
+    row: dict
+    plan: Plan | None
+    groups: list[list[Device]]
+    error: PlanError | None = None
+
+
 def weighed(spec, devices: list[Device], w, grad_accum: int, schedule: str, split: list[int] | None,
-            replicas: int, host_available: float | None) -> list[tuple[dict, Plan | None, PlanError | None]]:
-    """(table row, plan or None, its PlanError or None) of every layout weighed, the split first."""
+            replicas: int, host_available: float | None) -> list[Weighed]:
+    """Every layout weighed, the split first; their plans without the quantised alternatives a plan of one
+    copy lists (`best_plan` adds the chosen one's)."""
     n, cpu = len(devices), all(d.torch_device == "cpu" for d in devices)
     out = []
     for copies, size in layouts_to_weigh(n, grad_accum, 1 if split else replicas, cpu):
         tries = [[[d]] for d in _distinct(devices)] if (copies, size) == (1, 1) and n > 1 else \
             [[devices[c * size:(c + 1) * size] for c in range(copies)]]          # (each: the copies' devices)
-        best, error = None, None
+        best = Weighed({}, None, tries[0])
         for groups in tries:
             try:
                 plan = replicated(spec, groups, w, grad_accum, schedule) if copies > 1 else \
-                    plan_training(spec, groups[0], w, grad_accum, schedule, split if size == n else None)
+                    plan_training(spec, groups[0], w, grad_accum, schedule, split if size == n else None,
+                                  listed=False)
             except PlanError as e:
-                error = error or e
+                best.error = best.error or e
                 continue
-            if best is None or plan.predicted_step_s < best.predicted_step_s:
-                best = plan
-        one = (_device(devices, best) if best else devices[0]) if (copies, size) == (1, 1) else None
-        name = title(copies, size, n, one)
-        short = "" if best is None or host_available is None or best.forecast_host_gib * GIB <= host_available else \
-            f"host memory: needs {best.forecast_host_gib:.1f} GiB, {host_available / GIB:.1f} available"
-        out.append((row(name, copies, size, best, short or ("" if best else "does not fit")), best,
-                    None if best else error))
+            if best.plan is None or plan.predicted_step_s < best.plan.predicted_step_s:
+                best = Weighed({}, plan, groups)
+        name = title(copies, size, n, best.groups[0][0])
+        short = "" if best.plan is None or host_available is None or \
+            best.plan.forecast_host_gib * GIB <= host_available else \
+            f"host memory: needs {best.plan.forecast_host_gib:.1f} GiB, {host_available / GIB:.1f} available"
+        best.row = row(name, copies, size, best.plan, short or ("" if best.plan else "does not fit"))
+        out.append(best)
     return out
 
 
@@ -144,10 +161,6 @@ def _distinct(devices: list[Device]) -> list[Device]:
     return out
 
 
-def _device(devices: list[Device], plan: Plan) -> Device:
-    return next(d for d in devices if d.label == plan.stages[0].device)
-
-
 def best_plan(spec, devices: list[Device], w, grad_accum: int = 1, schedule: str = "auto",
               split: list[int] | None = None, replicas: int = 0, host_available: float | None = None) -> Plan:
     """The plan a run uses: of the layouts weighed (`layouts_to_weigh`), the fastest whose forecast fits the
@@ -156,17 +169,20 @@ def best_plan(spec, devices: list[Device], w, grad_accum: int = 1, schedule: str
     if not devices:
         return plan_training(spec, devices, w, grad_accum, schedule, split)        # (its sentence)
     options = weighed(spec, devices, w, grad_accum, schedule, split, replicas, host_available)
-    made = [(r, p) for r, p, _ in options if p is not None]
+    made = [o for o in options if o.plan is not None]
     if not made:
-        raise next(e for _, _, e in options if e is not None)
-    fitting = [(r, p) for r, p in made if r["fits"]] or made
-    fastest = min(p.predicted_step_s for _, p in fitting)
+        raise next(o.error for o in options if o.error is not None)
+    fitting = [o for o in made if o.row["fits"]] or made
+    fastest = min(o.plan.predicted_step_s for o in fitting)
     # within the forecast's noise of the fastest, the first weighed: the split before replicas, replicas before
     # one card (a split that holds every block, not one card streaming most of them, for 0.1 % less)
-    chosen_row, chosen = next((r, p) for r, p in fitting if p.predicted_step_s <= fastest * (1 + CLOSE))
-    chosen_row["chosen"] = True
-    chosen.layouts = [r for r, _, _ in options] if len(options) > 1 else []
-    return chosen
+    chosen = next(o for o in fitting if o.plan.predicted_step_s <= fastest * (1 + CLOSE))
+    chosen.row["chosen"] = True
+    plan = chosen.plan
+    if not plan.replicas:             # one copy: with the quantised plans it lists beside bf16 with swap
+        plan = plan_training(spec, chosen.groups[0], w, grad_accum, schedule, split)
+    plan.layouts = [o.row for o in options] if len(options) > 1 else []
+    return plan
 
 
 def host_limit(devices: list[Device]) -> float | None:
