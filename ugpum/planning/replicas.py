@@ -2,9 +2,9 @@
 weighs them; `ugpum.train.replicas` runs them): a replica trains its share of a step's micro-batches with its
 own plan over its GPU(s), and once a step the LoRA gradients are summed on the first replica's GPU.
 
-* Averaging: a replica of one stage sends the LoRA's fp32 gradient of each of its micro-batches (kept apart,
-  so that they add up in the order one GPU adds them), a replica of several stages the sum of its share, to
-  the first replica's GPU over the link between them; the first replica's new LoRA goes back to each.
+* Averaging: a replica sends the LoRA's fp32 gradient of each of its micro-batches (kept apart, so that they
+  add up in the order one GPU adds them; a pipelined split: the sum of its share) to the first replica's GPU
+  over the link between them; the first replica's new LoRA goes back to each.
 * Host memory: in one process the replicas share one pinned host copy of the blocks they swap (the same
   block in the same precision); as processes each holds its own. Replicas that swap read host memory at the
   same time, so each streams at most `HOST_MEMORY_GBPS` / (replicas that swap).
@@ -53,10 +53,10 @@ def lora_gradient_bytes(spec, w) -> int:
 
 
 def gradients_sent(plan) -> int:
-    """How many LoRA gradients a replica sends each step: one per micro-batch when it is one stage (kept apart),
-    else the sum of its share."""
+    """How many LoRA gradients a replica sends each step: one per micro-batch (kept apart) when it is one stage or
+    runs its micro-batches one after another, else (a pipelined split) the sum of its share."""
     busy = [s for s in plan.stages if s.blocks[1] > s.blocks[0]]
-    return plan.grad_accum if len(busy) == 1 else 1
+    return plan.grad_accum if len(busy) <= 1 or plan.schedule == "sequential" else 1
 
 
 def averaging_seconds(spec, w, plans, groups: list[list[Device]]) -> float:
@@ -69,11 +69,11 @@ def averaging_seconds(spec, w, plans, groups: list[list[Device]]) -> float:
 
 
 def room_for_gradients(spec, w, groups: list[list[Device]], parts: list[int]) -> list[list[Device]]:
-    """The replicas' devices less what each replica of one GPU after the first keeps of its micro-batches'
-    gradients until the step ends (all but one: that one is the gradient any run holds)."""
+    """The replicas' devices less what each replica after the first keeps of its micro-batches' gradients until
+    the step ends (all but one: that one is the gradient any run holds), spread over a split's GPUs as the LoRA."""
     size = lora_gradient_bytes(spec, w)
-    return [g if r == 0 or len(g) > 1 or n < 2 else
-            [dataclasses.replace(d, free_bytes=d.free_bytes - (n - 1) * size) for d in g]
+    return [g if r == 0 or n < 2 else
+            [dataclasses.replace(d, free_bytes=d.free_bytes - (n - 1) * size // len(g)) for d in g]
             for r, (g, n) in enumerate(zip(groups, parts))]
 
 

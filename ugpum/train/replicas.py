@@ -5,11 +5,12 @@ trained: the optimizer steps it, checkpoints save it, validation and samples use
 weights at the start of every step (copied over the link between the GPUs: no NCCL).
 
 The step is one device's: micro-batch k draws its noise and timesteps from (seed, k) wherever it runs; the
-first replica accumulates the gradients of its micro-batches (the step's first ones) as one device does, and a
-replica of one stage hands over the gradient of each of its micro-batches on its own (kept on its device
-until the step ends), which the first adds in ascending k: ((g0 + g1) + g2) + g3, the float additions of one
-device's gradient accumulation, so on the CPU the LoRA comes out bit for bit. A replica of several stages
-(splits x replicas) hands over the sum of its share: the same up to the order of float additions.
+first replica accumulates the gradients of its micro-batches (the step's first ones) as one device does, and
+another replica hands over the gradient of each of its micro-batches on its own (kept on its device until the
+step ends), which the first adds in ascending k: ((g0 + g1) + g2) + g3, the float additions of one device's
+gradient accumulation, so on the CPU the LoRA comes out bit for bit. A replica that pipelines its micro-batches
+over several stages (splits x replicas) hands over the sum of its share: the same up to the order of float
+additions.
 
 The replicas share one pinned host copy of the blocks they swap alike (`ugpum.placement.place.
 share_swapped_blocks`). One plan of one copy runs without threads, exactly as before replicas.
@@ -49,8 +50,10 @@ class Replica:
         return [p for _, a in self.lora.items() for p in (a.A, a.B)]
 
     @property
-    def one_stage(self) -> bool:
-        return sum(s.blocks[1] > s.blocks[0] for s in self.plan.stages) <= 1
+    def hands_each(self) -> bool:
+        """Whether it hands over each micro-batch's gradient (one stage, or micro-batches one after another),
+        not its share's sum (a pipelined split)."""
+        return self.plan.schedule == "sequential" or sum(s.blocks[1] > s.blocks[0] for s in self.plan.stages) <= 1
 
 
 def place_replicas(cfg, spec, plan: Plan, model: nn.Module, key_prefix: str, log) -> list[Replica]:
@@ -118,7 +121,7 @@ class Replicas:
         device = torch.device(replica.layout.first)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        runs = [ks] if is_lead or not replica.one_stage else [[k] for k in ks]
+        runs = [[k] for k in ks] if replica.hands_each and not is_lead else [ks]
         losses, handed = {}, {}
         for run in runs:
             out = accumulate(lambda k: loss_of(replica, k), run, replica.plan.schedule, replica.layout, replica.model)
