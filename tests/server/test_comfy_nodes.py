@@ -245,6 +245,25 @@ def test_trainer_node_and_command_line_train_the_same_plan(server, tmp_path, sch
     assert node_plan == _plan_without_budgets(out / "plan.json")
 
 
+def test_trainer_node_trains_replicas_as_one_device_does(server):
+    """Two CPU devices as replicas (the Planner's replicas = 2, issue 40): the LoRA Trainer node trains the
+    LoRA one device trains with the same global batch, bit for bit, in ComfyUI's one process."""
+    def run(save_name: str, devices: str, replicas: int) -> dict:
+        entry = server.run({"1": loader(TINY_FILE, devices=devices),
+                            "2": planner(["1", 0], resolution=64, rank=4, grad_accum=2, replicas=replicas),
+                            "3": trainer(save_name, 2)}, timeout=300)
+        assert_success(entry, server)
+        return entry
+    two = run("tiny_replicas", "cpu, cpu", 2)
+    assert "replica 2: cpu" in ui_text(two, "2") and "A CPU run (cpu, cpu) as 2 replicas" in ui_text(two, "2")
+    plan = json.loads((server.output_dir / "ugpum" / "tiny_replicas" / "plan.json").read_text())
+    assert plan["shares"] == [1, 1] and len(plan["replicas"]) == 2
+    run("tiny_one_device", "cpu", 0)
+    folder = server.base / "models" / "loras" / "ugpum"
+    one, both = load_lora(folder / "tiny_one_device.safetensors"), load_lora(folder / "tiny_replicas.safetensors")
+    assert one.keys() == both.keys() and all(torch.equal(one[k], both[k]) for k in one)
+
+
 def test_loader_names_missing_companion_files_and_the_download_command(server):
     entry = server.run({"1": loader(WAN_FILE, devices="16GiB"), "2": planner(["1", 0])}, timeout=60)
     assert_success(entry, server)

@@ -168,6 +168,9 @@ def best_plan(spec, devices: list[Device], w, grad_accum: int = 1, schedule: str
     the table of every layout weighed (`Plan.layouts`). `split`: block counts per device, the split alone."""
     if not devices:
         return plan_training(spec, devices, w, grad_accum, schedule, split)        # (its sentence)
+    if split and replicas > 1:
+        raise PlanError(f"a manual split places one copy of the model: set {setting('replicas', 1)} (or 0) with it, "
+                        "or leave the split empty for replicas")
     options = weighed(spec, devices, w, grad_accum, schedule, split, replicas, host_available)
     made = [o for o in options if o.plan is not None]
     if not made:
