@@ -48,10 +48,9 @@ for s in $sections; do
       --checkpointing block --steps 3 --out "$out/wan14b_832x480x17_place.json" ;;
   te_split) step "text-encoder split tests on CUDA (cuda:0 and cpu stages)"
     timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_text_encoder_split.py 2>&1 | tail -3 ;;
-  two_gpu_trial) step "two-GPU bench tried on one GPU (both stages on cuda:0, caps summed): Wan split vs swap"; wan_ckpt
-    ln -sf /tmp/w14.safetensors /tmp/wan2.1-14b.safetensors
-    timeout 200 python3 bench/two_gpu.py --devices cuda:0,cuda:0 --ckpt-dir /tmp --keep-ckpt --out "$out" \
-      --time-limit-s 180 --cases wan_split --only wan_split/split,wan_split/swap --wan-micro-batches 1 --steps 3 ;;
+  two_gpu_trial) step "one process driving two replicas of klein 9B on cuda:0 against one (issue 40)"; klein_ckpt
+    timeout 300 python3 bench/replicas_one_process.py --model-file /tmp/k9.safetensors --device cuda:0 \
+      --rows "$out/replicas_one_process.jsonl" ;;
   *) echo "unknown section $s" ;;
   esac
 done

@@ -25,7 +25,8 @@ SUMMARIES = {
     "swap": "block swap on one GPU: unconstrained against capped to play a smaller card",
     "text_encoder_split": "caption caching with a text encoder split over GPUs",
     "train_real_files": "`train --models DIR` on full-size klein 9B files, the memory of each phase",
-    "two_gpu": "two GPUs in one process: the split against one GPU, each card capped to play a consumer card",
+    "replicas_one_process": "what one process costs driving two replicas: two workers against one, one GPU",
+    "two_gpu": "two GPUs: replicas against the split, each through `python -m ugpum train`",
 }
 
 
