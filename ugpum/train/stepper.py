@@ -51,6 +51,9 @@ class OneProcessStepper:
         if plan.replicas:
             log(f"replicas: {len(plan.replicas)} in one process, micro-batches per step "
                 f"{'/'.join(map(str, plan.shares))}, LoRA gradients summed on the first")
+            if plan.runs_as != "one process":        # (ugpum/planning/replicas.py: not built yet)
+                log(f"note: the plan would run the replicas as {plan.runs_as}, which this engine cannot start: "
+                    "they run in this one process, slower than the forecast by what one process loses")
         if cfg.grad_accum > 1:
             log(f"micro-batch schedule: {plan.schedule}")
 
