@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from ugpum.arch import get_spec
 from ugpum.commands import main
 from ugpum.planning import replicas as costs
 from ugpum.planning.devices import parse_device_specs
@@ -19,10 +20,12 @@ ISSUE_RIGS = [("klein-9b-1024", "rtx3060", ((32.2, 21.4), (53.6, 42.9), (96.5, 8
               ("klein-9b-1024", "rtx3090", ((10.2, 7.5), (16.9, 15.0), (30.5, 30.1))),
               ("flux2-dev-1024", "rtx4090", ((15.2, 10.3), (25.4, 20.5), (45.7, 41.0))),
               ("wan14b-480-clip", "rtx4090", ((15.8, 9.4), (26.3, 18.7), (47.3, 37.4)))]
+KLEIN = get_spec("flux2-klein-base-9b")
 
 
 def planned(profile: str, gpus: list[str], grad_accum: int, replicas: int = 0, **settings):
-    cfg = load_config(profile, overrides={"grad_accum": grad_accum, "replicas": replicas, "base_compute": "auto", **settings})
+    cfg = load_config(profile, overrides={"grad_accum": grad_accum, "replicas": replicas, "base_compute": "auto",
+                                          **settings})
     return plan_for_config(cfg, parse_device_specs(gpus, probe=False))
 
 
@@ -57,12 +60,10 @@ def test_a_model_no_card_holds_even_with_8bit_and_swap_is_split():
 def test_host_memory_too_small_for_the_swapped_copy_makes_the_split_win():
     """Two 12 GB cards, klein 9B in bf16: each replica swaps 22 blocks (one shared pinned copy, 14.4 GiB of
     host memory); with 8 GiB available the split, which swaps less, is the plan and the table says why."""
-    spec_cfg = load_config("klein-9b-1024", overrides=dict(grad_accum=2))
+    cfg = load_config("klein-9b-1024", overrides=dict(grad_accum=2))
     devices = parse_device_specs(["rtx3060", "rtx3060"], probe=False)
-    from ugpum.arch import get_spec
-    spec = get_spec(spec_cfg.model)
-    roomy = best_plan(spec, devices, spec_cfg.workload(), 2, host_available=64 * GIB)
-    tight = best_plan(spec, devices, spec_cfg.workload(), 2, host_available=8 * GIB)
+    roomy = best_plan(KLEIN, devices, cfg.workload(), 2, host_available=64 * GIB)
+    tight = best_plan(KLEIN, devices, cfg.workload(), 2, host_available=8 * GIB)
     assert roomy.replicas and roomy.forecast_host_gib > 8
     assert not tight.replicas and tight.forecast_host_gib <= 8
     [replicas_row] = [r for r in tight.layouts if r["replicas"] == 2]
@@ -72,17 +73,12 @@ def test_host_memory_too_small_for_the_swapped_copy_makes_the_split_win():
 def test_replicas_in_one_process_share_the_pinned_copy_and_processes_do_not():
     plan = planned("klein-9b-1024", ["rtx3060", "rtx3060"], 2, replicas=2, base_compute="bf16")
     assert all(p.offloaded_blocks == plan.replicas[0].offloaded_blocks for p in plan.replicas)
-    one, apart = (costs.pinned_bytes(plan_spec(), plan.replicas, how) for how in ("one process", "processes"))
+    one, apart = (costs.pinned_bytes(KLEIN, plan.replicas, how) for how in ("one process", "processes"))
     assert len(one) == 1 and apart == [one[0], one[0]]
-    assert plan.forecast_host_gib == costs.host_gib(plan_spec(), plan.replicas, "one process")
-    assert costs.host_gib(plan_spec(), plan.replicas, "processes") > 2 * plan.forecast_host_gib - 0.01
+    assert plan.forecast_host_gib == costs.host_gib(KLEIN, plan.replicas, "one process")
+    assert costs.host_gib(KLEIN, plan.replicas, "processes") > 2 * plan.forecast_host_gib - 0.01
     # two replicas swapping at once read host memory at its rate, half each
     assert any("host memory read at 40 GB/s by the 2 replicas that swap, 20 GB/s each" in a for a in plan.assumed)
-
-
-def plan_spec():
-    from ugpum.arch import get_spec
-    return get_spec("flux2-klein-base-9b")
 
 
 def test_splits_times_replicas_on_four_cards():
@@ -110,7 +106,8 @@ def test_a_cpu_run_stays_one_copy_unless_asked():
     auto = planned("tiny-flux2", ["cpu", "cpu"], 2)
     asked = planned("tiny-flux2", ["cpu", "cpu"], 2, replicas=2)
     assert not auto.replicas and len(auto.stages) == 2
-    assert len(asked.replicas) == 2 and asked.verdict == "A CPU run (cpu, cpu) as 2 replicas: fits, no step-time forecast."
+    assert len(asked.replicas) == 2
+    assert asked.verdict == "A CPU run (cpu, cpu) as 2 replicas: fits, no step-time forecast."
     assert "s/step" not in format_plan(asked)
 
 

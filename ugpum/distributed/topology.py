@@ -1,9 +1,9 @@
 """The ranks of a distributed run and their process groups.
 
 world = P x replicas, P ranks to a pipeline (P = 1: every rank a whole copy of the model, plain data
-parallel); rank = replica x P + pipeline rank, so the ranks of one replica are neighbours (one machine, fast links: the hidden state crosses them every micro-batch)
-and the replicas of a rank are P apart (the sum of its LoRA gradients, LoRA-sized, once per step,
-may cross machines). NCCL on GPUs (each rank on cuda:LOCAL_RANK, or the LOCAL_RANK-th GPU `devices`
+parallel); rank = replica x P + pipeline rank, so the ranks of one replica are neighbours (one machine,
+fast links: the hidden state crosses them every micro-batch) and the replicas of a rank are P apart (the
+sum of its LoRA gradients, LoRA-sized, once per step, may cross machines). NCCL on GPUs (each rank on cuda:LOCAL_RANK, or the LOCAL_RANK-th GPU `devices`
 names), gloo on the CPU: `process_group_choice`.
 """
 from __future__ import annotations

@@ -199,7 +199,11 @@ class SwapHandle:
         if freeze:
             for path in paths:
                 model.get_submodule(path).requires_grad_(False)
-        self.blocks = self._pack(paths, pin and self.cuda, {b.path: b for h in share for b in h.blocks})
+        shared: dict[str, _Block] = {}
+        for h in share:                             # (the first handle that swaps a block shares it)
+            for b in h.blocks:
+                shared.setdefault(b.path, b)
+        self.blocks = self._pack(paths, pin and self.cuda, shared)
         self.slot_bytes = _align(max((b.nbytes for b in self.blocks), default=0))
         n_slots = min(slots, len(self.blocks))
         self.slots = [_Slot(torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device))

@@ -96,8 +96,8 @@ def copy_summary(p: Plan) -> str:
     """One copy's plan in a few words: its weights or 8-bit base compute, and its swap or fullest GPU."""
     fill = f"{len(p.offloaded_blocks)} blocks swapped" if p.offloaded_blocks else \
         f"{max(s.forecast_gib for s in p.stages):.1f} GiB"
-    held = f"{p.base_compute} compute" if mode_named(p.base_compute).quantises else f"{p.workload['held_dtype']} weights"
-    return f"{held}, {fill}"
+    quantised = mode_named(p.base_compute).quantises
+    return f"{p.base_compute} compute, {fill}" if quantised else f"{p.workload['held_dtype']} weights, {fill}"
 
 
 def row(name: str, copies: int, size: int, plan: Plan | None, why: str = "") -> dict:

@@ -135,8 +135,8 @@ def make_placed_trainable(cfg: TrainConfig, spec, placed: Placed, log=print, dro
     def release():
         undo_trainable()
         lora.remove()
-        placed.placement.undo("meta" if placed.on_meta or drop else None)     # (a model streamed from its file
-    return model, lora, placed.placement.layout, release                        # is dropped)
+        placed.placement.undo("meta" if placed.on_meta or drop else None)     # (streamed from its file: dropped)
+    return model, lora, placed.placement.layout, release
 
 
 def prepare_model(cfg: TrainConfig, spec, plan: Plan, model, key_prefix: str = "", log=print):

@@ -73,7 +73,7 @@ class Replicas:
     """The replicas of a run and how a step runs over them (one worker thread per replica)."""
 
     def __init__(self, replicas: list[Replica], shares: list[int]):
-        self.replicas, self.shares = replicas, shares or [0]
+        self.replicas, self.shares = replicas, shares
         self.lead = replicas[0]
         self.pool = ThreadPoolExecutor(len(replicas), "ugpum-replica") if len(replicas) > 1 else None
         self.warm = False                  # the first step runs the replicas one after the other (compiling once)
@@ -116,8 +116,8 @@ class Replicas:
                     mine.grad = None
 
     def _run(self, replica: Replica, ks: list[int], loss_of, is_lead: bool):
-        """One replica's share: ({k: loss}, {k: flat gradient handed over}). The first replica accumulates in
-        its parameters; another hands over each micro-batch's gradient (one stage) or its share's sum."""
+        """One replica's share: ({k: loss}, {k: the gradients handed over}). The first replica accumulates in
+        its parameters; another hands over each micro-batch's gradients (`hands_each`) or its share's sum."""
         device = torch.device(replica.layout.first)
         if device.type == "cuda":
             torch.cuda.set_device(device)
