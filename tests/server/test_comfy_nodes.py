@@ -36,7 +36,8 @@ NODE_CONTRACT = {
     "UGPUMPartitionPlanner": dict(
         required={"model": "UGPUM_MODEL", "resolution": "INT", "batch": "INT", "grad_accum": "INT",
                   "rank": "INT", "recompute": "COMBO"},
-        optional={"frames": "INT", "schedule": "COMBO", "manual_split": "STRING", "base_compute": "COMBO"},
+        optional={"frames": "INT", "schedule": "COMBO", "manual_split": "STRING", "base_compute": "COMBO",
+                  "replicas": "INT"},
         outputs=[("UGPUM_PLAN", "plan"), ("STRING", "report")], output_node=True),
     "UGPUMLoRATrainer": dict(
         required={"model": "UGPUM_MODEL", "plan": "UGPUM_PLAN", "dataset": "COMBO", "trigger_word": "STRING",
@@ -196,8 +197,9 @@ def test_planner_forecasts_klein9b_for_described_gpus(server):
     assert "flux2-klein-base-9b" in ui_text(entry, "1") and "weights fp8" in ui_text(entry, "1")
     report = ui_text(entry, "2")
     assert report.startswith("flux2-klein-base-9b  1024x1024  batch 1  grad-accum 4  rank 16  fp8")
-    assert report.count("rtx4090") >= 3                       # two stages + the one-GPU swap line
-    assert "Split over 2 devices" in report and "one GPU with swap" in report
+    assert report.count("rtx4090") >= 3                       # a replica on each + the table's one card
+    table = report.split("layouts weighed (* the plan above):\n", 1)[1]
+    assert "  split over 2 GPUs " in table and "* 2 replicas " in table and "  one card (rtx4090) " in table
 
 
 @pytest.mark.parametrize("schedule", ["auto", "sequential", "gpipe", "1f1b"])
