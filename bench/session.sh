@@ -25,7 +25,9 @@
 #   nodes       the nodes in ComfyUI's default GPU mode: the node tests, then klein 9B through the nodes with
 #               ComfyUI's memory watched (bench/comfyui_gpu_klein.py)
 #   before-after  the whole-GPU and 16 GiB klein cases on REF's tree and on this one, alternated
-#   two-gpu     replicas against the split (bench/two_gpu.py)
+#   one-process what one process costs driving two replicas: two workers against one on cuda:0
+#               (bench/replicas_one_process.py; the planner assumes 2 % until this is measured)
+#   two-gpu     replicas against the split on two GPUs (bench/two_gpu.py)
 # Each case is its own process and appends its row as it ends (OUT/cases.jsonl: bench/cards.py's rows,
 # OUT/speed.jsonl: speed rows beside the peers'), so a call cut short keeps what it measured; a case that would
 # not end inside the call (BUDGET_S, default 570 s) is skipped and says so. OUT/session.log has the output, the
@@ -149,8 +151,15 @@ for s in $sections; do
         echo "rc=$? $tree klein-$card" | tee -a "$log"
       done
     done ;;
-  two-gpu) step "replicas against the split"
-    timeout ${TWO_GPU_S:-500} python3 bench/two_gpu.py --out "$out" >> "$log" 2>&1
+  one-process) model_file /tmp/k9-base.safetensors flux2-klein-base-9b
+    step "one process driving two replicas of klein 9B on cuda:0 against one worker"
+    timeout ${CASE_S:-300} python3 bench/replicas_one_process.py --model-file /tmp/k9-base.safetensors --device cuda:0 \
+      --rows "$out/replicas_one_process.jsonl" >> "$log" 2>&1
+    echo "rc=$? one-process" | tee -a "$log" ;;
+  two-gpu) model_file /tmp/k9-base.safetensors flux2-klein-base-9b
+    step "replicas against the split, 2, 4 and 8 micro-batches a step"
+    timeout ${TWO_GPU_S:-500} python3 bench/two_gpu.py --model-file /tmp/k9-base.safetensors --devices cuda:0,cuda:1 \
+      --grad-accum 2,4,8 --rows "$out/two_gpu.jsonl" --work /tmp/two_gpu >> "$log" 2>&1
     echo "rc=$? two-gpu" | tee -a "$log" ;;
   *) echo "unknown section $s" | tee -a "$log" ;;
   esac

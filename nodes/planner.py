@@ -22,13 +22,13 @@ SCHEDULE_CHOICES = list(SCHEDULE_SETTINGS)
 
 
 def planning_config(model: UGPUMModel, resolution: int, batch: int, grad_accum: int, rank: int,
-                    recompute: str, frames: int, schedule: str, base_compute: str = "bf16"):
+                    recompute: str, frames: int, schedule: str, base_compute: str = "bf16", replicas: int = 0):
     """The TrainConfig of the settings the plan depends on (the Trainer adds the rest to it)."""
     return load_config(overrides=dict(
         model=model.model_id, model_file=model.path, resolution=resolution, frames=frames, batch=batch,
         grad_accum=grad_accum, rank=rank, alpha=float(rank), recompute=recompute,
         weight_dtype=training_dtype(model.weight_dtype), devices=list(model.devices), schedule=schedule,
-        base_compute=base_compute))
+        base_compute=base_compute, replicas=replicas))
 
 
 def parse_split(text: str, n_devices: int, n_blocks: int) -> list[int] | None:
@@ -54,10 +54,12 @@ class PartitionPlanner(io.ComfyNode):
             node_id="UGPUMPartitionPlanner",
             display_name="UGPUM Partition Planner",
             category="UGPUM",
-            description="Splits the model's blocks over the GPUs from their free memory, speed and PCIe link, "
-                        "and forecasts memory per GPU and seconds per step, next to one GPU with block swap, "
-                        "and whether the text encoder fits one GPU to cache the captions or is split over "
-                        "several for that step. Queue it alone to read the forecast before training.",
+            description="Weighs the ways to train on the GPUs (one card, the model's blocks split over them, or a "
+                        "copy on each training its share of the micro-batches) from their free memory, speed and "
+                        "PCIe link, takes the fastest that fits, and forecasts memory per GPU and seconds per "
+                        "step, with the layouts it weighed in one table, and whether the text encoder fits one GPU "
+                        "to cache the captions or is split over several for that step. Queue it alone to read the "
+                        "forecast before training.",
             is_output_node=True,
             inputs=[
                 UGPUM_MODEL.Input("model"),
@@ -96,6 +98,12 @@ class PartitionPlanner(io.ComfyNode):
                                        "auto keeps bf16 where the model fits without block swap and otherwise "
                                        "takes the card's 8-bit mode (the report says which and why). The LoRA "
                                        "trains in full precision either way."),
+                io.Int.Input("replicas", default=0, min=0, max=64, optional=True,
+                             tooltip="Copies of the model side by side, each training its share of a step's "
+                                     "micro-batches on its own GPU(s), the LoRA gradients averaged every step. 0: "
+                                     "the planner chooses by forecast (the report's table shows what it weighed); "
+                                     "1: one copy, split over the GPUs; R: R copies over devices / R GPUs each "
+                                     "(needs at least R micro-batches, gradient accumulation)."),
             ],
             outputs=[UGPUM_PLAN.Output("UGPUM_PLAN", display_name="plan"),
                      io.String.Output("report", display_name="report")],
@@ -104,12 +112,12 @@ class PartitionPlanner(io.ComfyNode):
     @classmethod
     def execute(cls, model: UGPUMModel, resolution: int, batch: int, grad_accum: int, rank: int,
                 recompute: str, frames: int = 1, schedule: str = "auto", manual_split: str = "",
-                base_compute: str = "bf16") -> io.NodeOutput:
+                base_compute: str = "bf16", replicas: int = 0) -> io.NodeOutput:
         if model.spec.frames_error(frames):
             raise UGPUMError(f"{NODE}: frames {frames}: {model.spec.frames_error(frames)}.")
         with user_errors(NODE):
             config = planning_config(model, resolution, batch, grad_accum, rank, recompute, frames, schedule,
-                                     base_compute)
+                                     base_compute, replicas)
             devices = resolve_devices(config.devices, model.spec)
             split = parse_split(manual_split or "", len(devices), len(model.spec.blocks))
             plan = plan_for_config(config, devices, split=split, spec=model.spec)

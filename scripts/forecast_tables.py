@@ -32,26 +32,32 @@ CARD_ROWS = (("klein 9B, bf16 (`klein-9b-1024`)", "klein-9b-1024", {}),
              ("Wan 2.1 14B, 17 frames 480p, fp8 (`wan14b-480-clip`)", "wan14b-480-clip", {}))
 CARD_COLUMNS = (("8 GB (RTX 4060)", ["rtx4060"]), ("12 GB (RTX 3060)", ["rtx3060"]),
                 ("16 GB (RTX 4060 Ti)", ["rtx4060ti-16g"]), ("24 GB (RTX 4090)", ["rtx4090"]),
-                ("32 GB (RTX 5090)", ["rtx5090"]), ("2x 16 GB (split)", ["rtx4060ti-16g", "rtx4060ti-16g"]))
+                ("32 GB (RTX 5090)", ["rtx5090"]), ("2x 16 GB (RTX 4060 Ti)", ["rtx4060ti-16g", "rtx4060ti-16g"]))
 RIG_ROWS = (("one RTX 4090 (24 GB)", ["rtx4090"], {}),
             ("same, `--base-compute fp8`", ["rtx4090"], {"base_compute": "fp8"}),
             ("one RTX 4060 Ti 16 GB", ["rtx4060ti-16g"], {}),
             ("same, `--base-compute auto`", ["rtx4060ti-16g"], {"base_compute": "auto"}),
             ("two RTX 4060 Ti 16 GB", ["rtx4060ti-16g", "rtx4060ti-16g"], {}),
+            ("same, `--grad-accum 4`", ["rtx4060ti-16g", "rtx4060ti-16g"], {"grad_accum": 4}),
+            ("same, `--grad-accum 4 --base-compute auto`", ["rtx4060ti-16g", "rtx4060ti-16g"],
+             {"grad_accum": 4, "base_compute": "auto"}),
             ("one 16 GiB card (a bare size: an RTX 4090's speed)", ["16GiB"], {}))
 
 
 def cell(profile: str, overrides: dict, gpus: list[str]) -> str:
-    """One forecast in a few words: s/step, then blocks swapped or the fullest GPU's GiB."""
+    """One forecast in a few words: s/step, then blocks swapped (per copy) or the fullest GPU's GiB, and for
+    several GPUs the layout the planner chose."""
     try:
         plan = plan_for_config(load_config(profile, overrides=overrides), parse_device_specs(gpus, probe=False))
     except PlanError:
         return "does not fit"
     quantised = mode_named(plan.base_compute).quantises and overrides.get("base_compute")
     mode = f", {plan.base_compute}" if quantised else ""
+    layout = "" if len(gpus) == 1 else f", {len(plan.replicas)} replicas" if plan.replicas else \
+        ", one card" if len(plan.stages) == 1 else ", split"
     if plan.offloaded_blocks:
-        return f"{plan.predicted_step_s:.1f} s, swap {len(plan.offloaded_blocks)}{mode}"
-    return f"{plan.predicted_step_s:.1f} s, {max(s.forecast_gib for s in plan.stages):.1f} GiB{mode}"
+        return f"{plan.predicted_step_s:.1f} s, swap {len(plan.offloaded_blocks)}{mode}{layout}"
+    return f"{plan.predicted_step_s:.1f} s, {max(s.forecast_gib for s in plan.stages):.1f} GiB{mode}{layout}"
 
 
 @functools.cache

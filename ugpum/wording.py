@@ -42,11 +42,12 @@ _FLAGS = {
     "plan": {"weight_dtype": "--dtype", "recompute": "--recompute", "batch": "--batch",
              "resolution": "--resolution", "gpu": "--gpu", "base_compute": "--base-compute", "rank": "--rank",
              "grad_accum": "--grad-accum", "frames": "--frames", "schedule": "--schedule",
-             "distributed": "--distributed"},
+             "distributed": "--distributed", "replicas": "--replicas"},
     "train": {"batch": "--batch", "base_compute": "--base-compute", "grad_accum": "--grad-accum",
               "frames": "--frames", "schedule": "--schedule", "steps": "--steps", "compile": "--compile",
               "devices": "--devices", "dataset": "--dataset", "model_file": "--model",
-              "resume": "--resume", "overwrite": "--overwrite", "distributed": "--distributed"},
+              "resume": "--resume", "overwrite": "--overwrite", "distributed": "--distributed",
+              "replicas": "--replicas"},
     "demo": {"steps": "--steps"},
 }
 # the values a flag takes where they differ from the setting's (none differ at present)
@@ -57,7 +58,8 @@ _NODE_INPUTS = {"weight_dtype": ("weight_dtype", "UGPUM Loader"), "devices": ("d
                 "batch": ("batch", "Partition Planner"), "grad_accum": ("gradient accumulation", "Partition Planner"),
                 "rank": ("LoRA rank", "Partition Planner"), "recompute": ("recompute", "Partition Planner"),
                 "frames": ("frames", "Partition Planner"), "schedule": ("schedule", "Partition Planner"),
-                "base_compute": ("base compute", "Partition Planner"), "steps": ("steps", "LoRA Trainer"),
+                "base_compute": ("base compute", "Partition Planner"), "replicas": ("replicas", "Partition Planner"),
+                "steps": ("steps", "LoRA Trainer"),
                 "compile": ("compile", "LoRA Trainer"), "dataset": ("dataset", "LoRA Trainer"),
                 "model_file": ("dit_name", "UGPUM Loader")}
 # What the nodes say for a setting they hold otherwise, or not at all (the same with a value or without,

@@ -281,6 +281,21 @@ def test_pipeline_and_replicas_train_the_single_process_lora(tmp_path, profile, 
     assert_same_lora(reference, tmp_path / "many" / "ugpum_lora.safetensors")
 
 
+@pytest.mark.slow
+def test_two_ranks_of_one_stage_train_the_single_process_lora(tmp_path):
+    """Plain data parallel (issue 40): --data-parallel R with R = the ranks, each rank a whole copy of the
+    model; the LoRA is one device's with the same global batch, and the one-process replicas' too."""
+    args = common(DATASET, "tiny-flux2", steps=3, grad_accum=4)
+    reference = single_process(tmp_path / "one", *args)
+    replicas = single_process(tmp_path / "replicas", *args[:4], "--devices", "cpu,cpu", "--replicas", "2", *args[6:])
+    run = torchrun(2, *args, "--data-parallel", "2", "--out", str(tmp_path / "many"))
+    assert "distributed: 2 ranks = 1 stages x 2 replica(s), blocks [0, 5), gloo" in run.stdout
+    assert assert_same_lora(reference, tmp_path / "many" / "ugpum_lora.safetensors") == 0.0
+    assert assert_same_lora(replicas, tmp_path / "many" / "ugpum_lora.safetensors") == 0.0
+    plan = json.loads((tmp_path / "many" / "plan.json").read_text())
+    assert plan["distributed"] == {"stages": 1, "stages_per_rank": 1, "replicas": 2, "ranks": 2, "bounds": [[0, 5]]}
+
+
 def _rank_pid(parent: int, rank: int) -> int | None:
     """The pid of torchrun's worker of `rank` (its children carry RANK in their environment)."""
     try:
@@ -363,6 +378,15 @@ def test_plan_forecasts_a_distributed_run_and_says_when_one_process_is_better(ca
     assert json.loads(capsys.readouterr().out)["verdict"].startswith("The single process is the better choice")
     assert main(base + ["--nodes", "2", "--grad-accum", "3"]) == 2                 # 3 micro-batches, 2 replicas
     assert "multiple of the 2 replicas" in capsys.readouterr().err
+    # replicas of one stage: one machine of two GPUs, and splits x replicas over machines still
+    assert main(base + ["--grad-accum", "2", "--data-parallel", "2", "--json"]) == 0
+    one_machine = json.loads(capsys.readouterr().out)
+    assert (one_machine["stages"], one_machine["replicas"], one_machine["network_s"]) == (1, 2, 0)
+    assert one_machine["step_s"] > 0 and one_machine["verdict"].startswith("The single process is the better choice")
+    assert main(base + ["--nodes", "2", "--grad-accum", "4", "--data-parallel", "4", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["stages"] == 1
+    assert main(base + ["--grad-accum", "3", "--data-parallel", "3"]) == 2
+    assert "cannot form 3 replica(s) of a pipeline" in capsys.readouterr().err
 
 
 def test_a_rank_takes_nccl_and_its_own_gpu_where_cuda_is_here_and_gloo_on_the_cpu():

@@ -1,5 +1,5 @@
-"""Issue 7: the two-GPU benchmark's whole path on CPU with tiny models, and GPU-to-GPU copies staged
-through host memory (`ugpum.placement.copy.staged_copies`), which must give exactly what direct copies give.
+"""GPU-to-GPU copies staged through host memory (`ugpum.placement.copy.staged_copies`, issue 7), which must
+give exactly what direct copies give; and the two-GPU benchmark (replicas against the split, issue 40) on CPU.
 
 On CPU a "staged" copy between CPU tensors runs the same two copies through a host buffer without
 streams; the CUDA tests (skipped here) check the stream ordering on one GPU and, with two GPUs, that a
@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from support.bench_run import run_bench
-from support.swap_cap import swap_forcing_cap_gib
 from support.toy_dit import ToyDiT
 from ugpum.placement.copy import STAGED_ENV, direct_gpu_copy, gpu_copy, staged_copy, staged_copies, staged_copies_enabled
 from ugpum.placement.pipeline import accumulate
@@ -162,127 +161,31 @@ def test_staged_copy_between_two_gpus_is_exact_both_ways():
 
 
 # ------------------------------------------------------------------------------------------
-# the benchmark on CPU (tiny models): every case, entries, table, errors
+# the benchmark on CPU (the tiny model): replicas against the split, through `python -m ugpum train`
 # ------------------------------------------------------------------------------------------
 
-def _args(tmp_path, *more: str) -> list[str]:
-    """Tiny shapes, two steps, m = 1 and 2 wherever the GPU session uses more."""
-    return ["--devices", "cpu,cpu", "--model", "tiny-flux2", "--resolution", "64", "--text-tokens", "8",
-            "--rank", "2", "--steps", "2", "--warmup", "1", "--micro-batches", "1,2", "--wan-micro-batches", "1,2",
-            "--mixed-micro-batches", "2", "--copy-micro-batches", "1,2",
-            "--out", str(tmp_path / "out"), "--ckpt-dir", str(tmp_path / "ckpt"), *more]
-
-
-FIELDS = ("case", "devices", "caps_gib", "micro_batches", "schedule", "s_per_step", "peak_gib", "forecast_gib",
-          "stages", "command", "torch", "gpus", "predicted_s", "forecast_error", "error")
-
-
-def two_gpu(argv: list[str]) -> int:
-    """bench/two_gpu.py as a user runs it (one intra-op thread: faster for tiny models)."""
-    done = run_bench("two_gpu", argv, threads=1)
+@pytest.mark.slow
+def test_bench_measures_replicas_against_the_split_on_two_cpu_devices(tmp_path):
+    rows = tmp_path / "rows.jsonl"
+    done = run_bench("two_gpu", ["--profile", "tiny-flux2", "--devices", "cpu,cpu", "--grad-accum", "2", "--steps", "2",
+                                 "--warmup", "1", "--rows", str(rows), "--work", str(tmp_path / "work")], threads=1)
     assert done.returncode == 0, done.stderr[-3000:]
-    return done.returncode
-
-
-@pytest.mark.slow
-def test_bench_cpu_smoke_every_case(comfy, tmp_path):
-    args = _args(tmp_path, "--cap-gib", repr(swap_forcing_cap_gib()))
-    assert two_gpu(args) == 0
-    assert not (tmp_path / "ckpt" / "tiny-flux2.safetensors").exists()      # written by the run, then deleted
-    entries = json.loads((tmp_path / "out" / "two_gpu.json").read_text())
-    runs = sorted((e["case"], e["variant"], e["micro_batches"], e["schedule_requested"], e["staged_copies"])
-                  for e in entries)
-    assert runs == sorted(
-        [("wan_split", "split", 1, "auto", False), ("wan_split", "split", 2, "auto", False),
-         ("wan_split", "split_1f1b", 2, "1f1b", False), ("wan_split", "swap", 1, "sequential", False)]
-        + [("klein_schedules", "one_gpu", m, "sequential", False) for m in (1, 2)]
-        + [("klein_schedules", "split", m, s, False) for m in (1, 2) for s in ("sequential", "gpipe", "1f1b")]
-        + [("mixed_caps", v, 2, "auto", False) for v in ("planner", "even")]
-        + [("staged_copies", "copies", m, "auto", staged) for m in (1, 2) for staged in (False, True)])
-    for e in entries:
-        assert all(k in e for k in FIELDS), [k for k in FIELDS if k not in e]
-        assert e["error"] is None and e["s_per_step"] > 0 and len(e["step_times"]) == 2
-        assert e["peak_gib"] is None and e["caps_applied"] is False        # no allocator to cap on CPU
-        assert set(e["forecast_gib"]) == {"cpu"}
-        assert e["forecast_gib"]["cpu"] == pytest.approx(sum(s["forecast_gib"] for s in e["stages"]), abs=2e-3)
-        assert sum(s["blocks"][1] - s["blocks"][0] for s in e["stages"]) == 5
-        assert e["schedule"] in ("sequential", "gpipe", "1f1b") and e["final_loss"] > 0
-    by = {(e["case"], e["variant"], e["micro_batches"], e["schedule"], e["staged_copies"]): e for e in entries}
-
-    swap = by[("wan_split", "swap", 1, "sequential", False)]
-    assert swap["devices"] == ["cpu"] and swap["stages"][0]["offloaded"]
-    assert 0 < swap["swap_bytes_per_step"] <= swap["forecast_swap_bytes_per_step"]
-    forced = by[("wan_split", "split_1f1b", 2, "1f1b", False)]
-    assert forced["grad_rel_diff"] == {"1f1b vs sequential": pytest.approx(0.0, abs=1e-6)}
-    assert forced["comparison"]["throughput_ratio"] == pytest.approx(
-        (2 / forced["s_per_step"]) / (1 / swap["s_per_step"]), rel=1e-3)
-
-    for m in (1, 2):
-        one = by[("klein_schedules", "one_gpu", m, "sequential", False)]
-        for s in ("sequential", "gpipe", "1f1b"):
-            c = by[("klein_schedules", "split", m, s, False)]["comparison"]
-            assert c["bound"] == pytest.approx(2 * m / (m + 1), abs=1e-4)
-            assert c["throughput_ratio"] == pytest.approx(
-                one["s_per_step"] / by[("klein_schedules", "split", m, s, False)]["s_per_step"], rel=1e-3)
-            assert ("overhead" in c) == (m == 1)
-
-    even = next(e for e in entries if e["variant"] == "even")
-    assert [s["blocks"] for s in even["stages"]] == [[0, 3], [3, 5]]
-    assert next(e for e in entries if e["variant"] == "planner")["comparison"]["against"].startswith("even")
-
-    copies = [e for e in entries if e["case"] == "staged_copies"]
-    for e in copies:
-        assert e["grad_rel_diff"] == {"run's schedule, direct copies": 0.0, "run's schedule, staged copies": 0.0}
-        pairs = e["copy_bandwidth"]["pairs"]
-        assert [p["mib"] for p in pairs] == [0.003, 4.0]          # the boundary, and a large copy
-        assert all(p["direct_exact"] and p["staged_exact"] and p["direct_gbps"] > 0 and p["staged_gbps"] > 0
-                   for p in pairs)
-    assert all("extra_s_per_step" in e["comparison"] for e in copies if e["staged_copies"])
-
-    md = (tmp_path / "out" / "two_gpu.md").read_text()
-    assert "## Targets" in md and "| wan_split | swap | cpu |" in md and "## Copy bandwidth" in md
-    assert "n/a (one device for both)" in md and "two_gpu.py" in md.split("## Commands")[1]
-
-    # measured again: the entry is replaced, not added
-    assert two_gpu(_args(tmp_path, "--cases", "mixed_caps", "--only", "mixed_caps/even")) == 0
-    again = json.loads((tmp_path / "out" / "two_gpu.json").read_text())
-    assert len(again) == len(entries) and sum(e["variant"] == "even" for e in again) == 1
-    assert next(e for e in again if e["variant"] == "even")["step_times"] != even["step_times"]
-
-
-@pytest.mark.slow
-def test_bench_run_in_its_own_process_and_a_failing_run(comfy, tmp_path):
-    # caps too small for the model even with every block swapped: an entry that says so, exit code 1
-    done = run_bench("two_gpu", _args(tmp_path, "--cases", "mixed_caps", "--only", "mixed_caps/even", "--keep-ckpt",
-                                      "--mixed-caps-gib", "0.0001,0.0001"), threads=1)
-    assert done.returncode == 1
-    [failed] = json.loads((tmp_path / "out" / "two_gpu.json").read_text())
-    assert failed["s_per_step"] is None and failed["error"].startswith("PlanError: manual split [3, 2]")
-    assert "do not fit on cpu capped at 0.0001 GiB" in (tmp_path / "out" / "two_gpu.md").read_text()
-
-    # the run in a child process (as on CUDA), merged into the same results
-    assert two_gpu(_args(tmp_path, "--cases", "mixed_caps", "--only", "mixed_caps/planner", "--isolate", "always")) == 0
-    entries = json.loads((tmp_path / "out" / "two_gpu.json").read_text())
-    assert [e["variant"] for e in entries] == ["even", "planner"]
-    assert entries[1]["s_per_step"] > 0 and entries[1]["error"] is None and "comparison" not in entries[1]
+    split, replicas, compared = [json.loads(line) for line in rows.read_text().splitlines()]
+    assert (split["layout"], split["copies"], split["shares"]) == ("split", 1, [2])
+    assert (replicas["layout"], replicas["copies"], replicas["shares"]) == ("replicas", 2, [1, 1])
+    for run in (split, replicas):
+        assert run["s_per_step"] > 0 and len(run["step_times"]) == 2 and run["forecast_s"] > 0
+    assert compared["compare"] == "replicas vs split" and compared["speedup"] > 0
+    assert compared["lora_relative_difference"] < 1e-6            # the same LoRA, whichever layout trains it
+    assert "grad-accum 2: split" in done.stdout
 
 
 @pytest.mark.parametrize("bad, message", [
-    (["--devices", "cpu"], "needs two devices"),
-    (["--devices", "cpu,cpu", "--model", ""], "only tiny models"),
-    (["--cases", "wan_split,nope"], "nope"),
-    (["--wan-schedules", "fastest"], "fastest"),
-    (["--mixed-caps-gib", "16"], "two positive GiB"),
+    (["--devices", "cpu"], "name two devices"),
+    (["--grad-accum", "3"], "even numbers of at least 2"),
     (["--steps", "1"], "more than --warmup"),
 ])
 def test_bench_refuses_bad_arguments(tmp_path, bad, message):
-    done = run_bench("two_gpu", _args(tmp_path) + bad)
+    done = run_bench("two_gpu", ["--profile", "tiny-flux2", "--devices", "cpu,cpu", "--rows", str(tmp_path / "r"),
+                                 "--work", str(tmp_path / "w"), *bad])
     assert done.returncode != 0 and message in done.stderr
-
-
-def test_bench_refuses_a_broken_results_file(tmp_path):
-    (tmp_path / "out").mkdir()
-    (tmp_path / "out" / "two_gpu.json").write_text("{not json")
-    done = run_bench("two_gpu", _args(tmp_path))
-    assert done.returncode != 0 and "two_gpu.json is not valid JSON" in done.stderr
-    assert not (tmp_path / "ckpt").exists()                 # stopped before writing anything

@@ -36,7 +36,8 @@ NODE_CONTRACT = {
     "UGPUMPartitionPlanner": dict(
         required={"model": "UGPUM_MODEL", "resolution": "INT", "batch": "INT", "grad_accum": "INT",
                   "rank": "INT", "recompute": "COMBO"},
-        optional={"frames": "INT", "schedule": "COMBO", "manual_split": "STRING", "base_compute": "COMBO"},
+        optional={"frames": "INT", "schedule": "COMBO", "manual_split": "STRING", "base_compute": "COMBO",
+                  "replicas": "INT"},
         outputs=[("UGPUM_PLAN", "plan"), ("STRING", "report")], output_node=True),
     "UGPUMLoRATrainer": dict(
         required={"model": "UGPUM_MODEL", "plan": "UGPUM_PLAN", "dataset": "COMBO", "trigger_word": "STRING",
@@ -196,8 +197,9 @@ def test_planner_forecasts_klein9b_for_described_gpus(server):
     assert "flux2-klein-base-9b" in ui_text(entry, "1") and "weights fp8" in ui_text(entry, "1")
     report = ui_text(entry, "2")
     assert report.startswith("flux2-klein-base-9b  1024x1024  batch 1  grad-accum 4  rank 16  fp8")
-    assert report.count("rtx4090") >= 3                       # two stages + the one-GPU swap line
-    assert "Split over 2 devices" in report and "one GPU with swap" in report
+    assert report.count("rtx4090") >= 3                       # a replica on each + the table's one card
+    table = report.split("layouts weighed (* the plan above):\n", 1)[1]
+    assert "  split over 2 GPUs " in table and "* 2 replicas " in table and "  one card (rtx4090) " in table
 
 
 @pytest.mark.parametrize("schedule", ["auto", "sequential", "gpipe", "1f1b"])
@@ -243,6 +245,25 @@ def test_trainer_node_and_command_line_train_the_same_plan(server, tmp_path, sch
     assert done.returncode == 0, done.stdout + done.stderr
     assert (node_plan["schedule"], node_plan["in_flight"]) == (schedule, 4 if schedule == "gpipe" else 2)
     assert node_plan == _plan_without_budgets(out / "plan.json")
+
+
+def test_trainer_node_trains_replicas_as_one_device_does(server):
+    """Two CPU devices as replicas (the Planner's replicas = 2, issue 40): the LoRA Trainer node trains the
+    LoRA one device trains with the same global batch, bit for bit, in ComfyUI's one process."""
+    def run(save_name: str, devices: str, replicas: int) -> dict:
+        entry = server.run({"1": loader(TINY_FILE, devices=devices),
+                            "2": planner(["1", 0], resolution=64, rank=4, grad_accum=2, replicas=replicas),
+                            "3": trainer(save_name, 2)}, timeout=300)
+        assert_success(entry, server)
+        return entry
+    two = run("tiny_replicas", "cpu, cpu", 2)
+    assert "replica 2: cpu" in ui_text(two, "2") and "A CPU run (cpu, cpu) as 2 replicas" in ui_text(two, "2")
+    plan = json.loads((server.output_dir / "ugpum" / "tiny_replicas" / "plan.json").read_text())
+    assert plan["shares"] == [1, 1] and len(plan["replicas"]) == 2
+    run("tiny_one_device", "cpu", 0)
+    folder = server.base / "models" / "loras" / "ugpum"
+    one, both = load_lora(folder / "tiny_one_device.safetensors"), load_lora(folder / "tiny_replicas.safetensors")
+    assert one.keys() == both.keys() and all(torch.equal(one[k], both[k]) for k in one)
 
 
 def test_loader_names_missing_companion_files_and_the_download_command(server):

@@ -21,7 +21,8 @@ SUMMARIES = {
     "model_files": "write full-size model files with random weights, in the layouts real checkpoints have",
     "peer_wan": "a diffusers + PEFT LoRA step on Wan 2.1 14B, the peer for Wan's speed rows",
     "profile_steps": "a kernel table by op class of a few training steps of any program",
-    "two_gpu": "replicas against the split on two GPUs",
+    "replicas_one_process": "what one process costs driving two replicas: two workers against one, one GPU",
+    "two_gpu": "two GPUs: replicas against the split, each through `python -m ugpum train`",
 }
 
 

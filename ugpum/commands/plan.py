@@ -47,6 +47,10 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--schedule", choices=ALL_SETTINGS,
                    help="order of the micro-batches over the stages (auto: the fastest for the split); with "
                         "--distributed also interleaved-1f1b or zero-bubble (two pipeline stages per rank)")
+    p.add_argument("--replicas", type=int, metavar="R",
+                   help="copies of the model side by side, each training its share of the micro-batches on devices / R "
+                        "of the GPUs (default 0: the planner weighs one card, the split, replicas and splits x "
+                        "replicas and takes the fastest that fits; 1: one copy)")
     p.add_argument("--rank", type=int, help="LoRA rank (default 16)")
     p.add_argument("--dtype", choices=["bf16", "fp8"], help="base weight dtype (default bf16)")
     p.add_argument("--recompute", choices=["auto", "all", "none"],
@@ -89,7 +93,8 @@ def plan_config(args) -> tuple[TrainConfig, object]:
         side = width if width == height else max(16, round((width * height) ** 0.5 / 16) * 16)
     overrides = {"model": spec.id if spec else None, "model_file": args.model if spec and args.model != spec.id
                  else None, "resolution": side, "frames": args.frames, "batch": args.batch,
-                 "grad_accum": args.grad_accum, "schedule": args.schedule, "rank": args.rank,
+                 "grad_accum": args.grad_accum, "schedule": args.schedule, "replicas": args.replicas,
+                 "rank": args.rank,
                  "alpha": float(args.rank) if args.rank else None, "weight_dtype": args.dtype,
                  "recompute": args.recompute,
                  "checkpointing": None if args.checkpointing is None else args.checkpointing == "block",

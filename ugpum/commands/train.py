@@ -81,6 +81,9 @@ def add_train_parser(sub) -> None:
     p.add_argument("--schedule", choices=ALL_SETTINGS,
                    help="order of the micro-batches over the stages (default auto: the best for the plan); with "
                         "--distributed also interleaved-1f1b or zero-bubble (two pipeline stages per rank)")
+    p.add_argument("--replicas", type=int, metavar="R",
+                   help="copies of the model side by side, each training its share of a step's micro-batches on its "
+                        "own GPU(s), LoRA gradients averaged each step (default 0: the planner chooses; 1: one copy)")
     p.add_argument("--resume", metavar="DIR", help="continue the run whose output folder is DIR, with the settings "
                                                    "its checkpoint records (the same run only; flags change only "
                                                    "--steps, --devices, --schedule, --sample-every and the like)")
@@ -104,7 +107,7 @@ def add_train_parser(sub) -> None:
 
 def _overrides(args) -> dict:
     return {"dataset": args.dataset, "steps": args.steps, "frames": args.frames, "batch": args.batch,
-            "grad_accum": args.grad_accum, "schedule": args.schedule,
+            "grad_accum": args.grad_accum, "schedule": args.schedule, "replicas": args.replicas,
             "devices": args.devices.split(",") if args.devices else None,
             "stand_in_encoders": True if args.stand_in_encoders else None,
             "sample_every": args.sample_every, "compile": args.compile, "base_compute": args.base_compute}

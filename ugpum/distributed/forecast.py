@@ -27,6 +27,7 @@ from ..arch.base import WEIGHT_BYTES
 from ..planning.devices import Device, gpu_to_gpu_gbps
 from ..planning import cost
 from ..planning.plan import GIB, MIB, Plan, PlanError, plan_training
+from ..planning.space import best_plan
 from .schedules import rank_stages, schedule_kind, stages_per_rank
 
 DEFAULT_NETWORK_GBPS = 10.0          # Gbit/s: a 10 GbE LAN between workstations
@@ -109,9 +110,13 @@ def forecast_distributed(spec, node_devices: list[Device], w, grad_accum: int, n
     g = len(node_devices)
     ranks = nodes * g
     replicas = data_parallel or nodes
-    if ranks % replicas or ranks // replicas < 2:
+    if replicas < 1 or ranks % replicas:
         raise PlanError(f"{nodes} machine(s) x {g} GPU(s) = {ranks} ranks cannot form {replicas} replica(s) of a "
-                        "pipeline of at least 2 stages; choose --data-parallel so that ranks / R >= 2")
+                        "pipeline; choose --data-parallel R so that R divides the ranks (R = ranks: each rank a whole "
+                        "copy of the model)")
+    if ranks == replicas and stages_per_rank(schedule) > 1:
+        raise PlanError(f"--schedule {schedule} puts two stages on each rank of a pipeline of at least 2 ranks; with "
+                        f"--data-parallel {replicas} each pipeline is one rank: use --schedule auto")
     if grad_accum % replicas:
         raise PlanError(f"--grad-accum {grad_accum} must be a multiple of the {replicas} replicas (each runs "
                         "grad-accum / R micro-batches of the global batch)")
@@ -146,7 +151,7 @@ def forecast_distributed(spec, node_devices: list[Device], w, grad_accum: int, n
         pipeline_s = (per_replica + (stages - 1) / len(held[0])) * busiest
     step = pipeline_s + network_s + allreduce_s
     try:
-        single = plan_training(spec, node_devices, w, grad_accum=grad_accum, schedule="auto")
+        single = best_plan(spec, node_devices, w, grad_accum=grad_accum)      # (one card, the split, replicas)
         single_s = single.predicted_step_s
     except PlanError:
         single_s = None
@@ -171,6 +176,9 @@ def _verdict(fc: DistributedForecast, over: list[int]) -> str:
     if fc.nodes == 1 and fc.replicas == 1:
         return (f"The single process is the better choice: the same plan on one machine ({single}) needs no "
                 "launcher and runs on Windows; --distributed pays off with more machines or replicas.")
+    if gain < 1.1 and fc.nodes == 1:
+        return (f"The single process is the better choice: {single} against {dist} ({gain:.2f}x); one process "
+                "weighs the same replicas (ugpum plan shows them) and needs no launcher.")
     if gain < 1.1:
         return (f"The single process is the better choice: {single} against {dist} ({gain:.2f}x); the network "
                 f"({fc.network_gbps:g} Gbit/s) or the all-reduce eats the gain.")

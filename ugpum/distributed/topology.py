@@ -1,9 +1,9 @@
 """The ranks of a distributed run and their process groups.
 
-world = P x replicas, P ranks to a pipeline; rank = replica x P + pipeline rank, so the ranks of one
-replica are neighbours (one machine, fast links: the hidden state crosses them every micro-batch)
-and the replicas of a rank are P apart (the sum of its LoRA gradients, LoRA-sized, once per step,
-may cross machines). NCCL on GPUs (each rank on cuda:LOCAL_RANK, or the LOCAL_RANK-th GPU `devices`
+world = P x replicas, P ranks to a pipeline (P = 1: every rank a whole copy of the model, plain data
+parallel); rank = replica x P + pipeline rank, so the ranks of one replica are neighbours (one machine,
+fast links: the hidden state crosses them every micro-batch) and the replicas of a rank are P apart (the
+sum of its LoRA gradients, LoRA-sized, once per step, may cross machines). NCCL on GPUs (each rank on cuda:LOCAL_RANK, or the LOCAL_RANK-th GPU `devices`
 names), gloo on the CPU: `process_group_choice`.
 """
 from __future__ import annotations
@@ -101,9 +101,10 @@ def init_distributed(data_parallel: int = 1, cpu: bool | None = None, schedule: 
         raise TrainingError(f"--data-parallel {data_parallel}: torchrun started {world} ranks, not a multiple of "
                             f"{data_parallel} (ranks = stages x replicas)")
     ranks = world // data_parallel
-    if ranks < 2:
-        raise TrainingError(f"{world} rank(s) with --data-parallel {data_parallel} leave one pipeline stage; "
-                            "give torchrun at least 2 ranks per replica (or train without --distributed)")
+    if ranks < 2 and stages_per_rank(schedule) > 1:
+        raise TrainingError(f"--schedule {schedule} interleaves two stages on each rank of a pipeline of at least 2 "
+                            f"ranks; {world} rank(s) with --data-parallel {data_parallel} are pipelines of one rank: "
+                            "use --schedule auto")
     backend, name = process_group_choice(torch.cuda.is_available() and not cpu, int(os.environ.get("LOCAL_RANK", "0")),
                                          devices, int(os.environ.get("LOCAL_WORLD_SIZE", str(world))))
     device = torch.device(name)

@@ -223,11 +223,12 @@ def on_compute_device(on_weight, layout: Layout, offloaded: Sequence[str]):
 
 def place_with_swap(model: nn.Module, layout, offloaded: Sequence[str], checkpoint=None, key_prefix: str = "",
                     dtype: torch.dtype | None = None, slots: int = 2, pin: bool = True,
-                    timing: bool = False, on_weight=None) -> SwapPlacement:
+                    timing: bool = False, on_weight=None, share: Sequence[SwapHandle] = ()) -> SwapPlacement:
     """`place()`, with the `offloaded` blocks' weights loaded into host memory (never onto their
     device) and swapped in for compute on the device the layout gives them (one ring per device).
     `on_weight` (see `place`; a model streamed from its file only) runs for a swapped block's layer on
-    its compute device: an 8-bit base streams its 8-bit weights and scales, half bf16's bytes."""
+    its compute device: an 8-bit base streams its 8-bit weights and scales, half bf16's bytes. `share`:
+    another replica's swaps, whose host copies the blocks they also swap stream from (`share_swapped_blocks`)."""
     if on_weight is not None:
         if checkpoint is None:
             raise ValueError("place_with_swap: on_weight needs a model built on the meta device and streamed "
@@ -241,7 +242,7 @@ def place_with_swap(model: nn.Module, layout, offloaded: Sequence[str], checkpoi
     swaps = []
     try:
         for dev, paths in by_device.items():
-            swaps.append(install_swap(model, paths, dev, slots=slots, pin=pin, timing=timing))
+            swaps.append(install_swap(model, paths, dev, slots=slots, pin=pin, timing=timing, share=share))
     except BaseException:
         for s in swaps:
             s.remove()
@@ -251,13 +252,31 @@ def place_with_swap(model: nn.Module, layout, offloaded: Sequence[str], checkpoi
 
 
 def place_by_plan(model: nn.Module, plan, tail_modules: tuple[str, ...], model_file: str = "",
-                  key_prefix: str = "", dtype: torch.dtype | None = None, on_weight=None):
+                  key_prefix: str = "", dtype: torch.dtype | None = None, on_weight=None,
+                  share: Sequence[SwapHandle] = ()):
     """Apply a plan: blocks on their stages' devices, the swap tier (if any) streamed from host memory,
     weights read from `model_file` when the model was built on the meta device (`on_weight`: see
-    `place`; with a swap tier, see `place_with_swap`). Returns the placement; `.undo()` releases it."""
+    `place`; with a swap tier, see `place_with_swap`, and `share_swapped_blocks` for `share`). Returns the
+    placement; `.undo()` releases it."""
     layout, offloaded = swap_plan(plan, [s.torch_device for s in plan.stages], tail_modules)
     checkpoint = model_file if any(p.is_meta for p in model.parameters()) else None
     if offloaded:
+        share_swapped_blocks(model, offloaded, share)
         return place_with_swap(model, layout, offloaded, checkpoint=checkpoint, key_prefix=key_prefix, dtype=dtype,
-                               on_weight=on_weight)
+                               on_weight=on_weight, share=share)
     return place(model, layout, checkpoint=checkpoint, key_prefix=key_prefix, dtype=dtype, on_weight=on_weight)
+
+
+def share_swapped_blocks(model: nn.Module, offloaded: Sequence[str], share: Sequence[SwapHandle]) -> None:
+    """Put into `model` (another replica of the model `share` swaps blocks of, before it is placed) a
+    `block_copy` of each block both swap, so that its swap streams them from `share`'s host copies and
+    nothing loads them again (`place_with_swap(..., share=share)` then mirrors them)."""
+    owners: dict[str, SwapHandle] = {}
+    for h in share:
+        for b in h.blocks:
+            owners.setdefault(b.path, h)
+    for path in offloaded:
+        if path in owners:
+            parent, _, name = path.rpartition(".")
+            owner = model.get_submodule(parent) if parent else model
+            owner.register_module(name, owners[path].block_copy(path))

@@ -125,12 +125,12 @@ def file_key(name: str, key_prefix: str, header: Header) -> str | None:
 
 def fill_from_file(model: nn.Module, layout, path: Path, key_prefix: str = "",
                    dtype: torch.dtype | None = None, on_weight=None) -> None:
-    """Allocate and fill every parameter and buffer of a meta-built `model` from `path`, on the device
-    `layout` gives its module. `on_weight(module_path, module)`, if given, is called as soon as a
-    module's `weight` is in place (e.g. to quantise it before the next one arrives)."""
+    """Allocate and fill every parameter and buffer of a meta-built `model` from `path` that is still on the
+    meta device (a module put in already, such as another replica's `swap.SwapHandle.block_copy`, is left as
+    it is), on the device `layout` gives its module. `on_weight(module_path, module)`, if given, is called as
+    soon as a module's `weight` is in place (e.g. to quantise it before the next one arrives)."""
     header = read_header(path)
-    names = dict(model.named_parameters())
-    names.update(dict(model.named_buffers()))
+    names = {n: t for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta}
     keys = {n: file_key(n, key_prefix, header) for n in names}
     missing = [n for n, k in keys.items() if k is None]
     if missing:

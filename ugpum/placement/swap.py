@@ -29,6 +29,11 @@ The blocks left in the slots at the end of forward are the first needed in backw
 at the end of backward the first needed in the next forward, so a step moves 2 x (N - slots) blocks,
 not 2 x N.
 
+Replicas in one process (`ugpum.train.replicas`) share the host copy: a replica's swap installed with
+`share=` another replica's handles streams the blocks those swap from their host buffers.
+Its model holds, at those paths, `SwapHandle.block_copy`s (the block as packed: placeholders, no bytes,
+with what loading made of it: a quantised class, ComfyUI's weight functions), so the packed layouts match.
+
 Autograd's backward for CUDA runs on the stream the forward ran on; events are recorded on the
 current stream in both. With a CPU device the same bookkeeping runs with plain copies and no events
 (that is what the CPU tests exercise). One forward/backward at a time per model: micro-batches run
@@ -50,12 +55,15 @@ ALIGN = 512        # byte alignment of every tensor inside a host buffer and a s
 # ---------------------------------------------------------------------------------------------
 # host memory
 
+CUDA_HOST_REGISTER_PORTABLE = 1   # pinned for every GPU of the process, not only the current one (replicas)
+
+
 def _cuda_host_register(t: torch.Tensor) -> bool:
     """Page-lock `t`'s memory in place (exact size; `pin_memory=True` rounds up to a power of two,
-    wasting up to half of it). False where this torch or driver cannot."""
+    wasting up to half of it), for every GPU. False where this torch or driver cannot."""
     try:
         cudart = torch.cuda.cudart()
-        rc = cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+        rc = cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), CUDA_HOST_REGISTER_PORTABLE)
         return int(rc) == 0
     except Exception:       # noqa: BLE001 - any failure falls back to pin_memory
         return False
@@ -105,6 +113,7 @@ def _unregister_then_drop(t: torch.Tensor, ptr: int) -> None:
 class _Entry:
     """One swapped tensor: a frozen parameter or a buffer of an offloaded block."""
     tensor: torch.Tensor           # the Parameter / buffer object itself (its identity is kept)
+    name: str                      # its name in the block
     offset: int                    # bytes into the block's packed layout
     nbytes: int
     dtype: torch.dtype
@@ -121,6 +130,7 @@ class _Block:
     nbytes: int
     host: _HostBuffer | None = None
     slot: "_Slot | None" = None
+    owns_host: bool = True         # False: another handle's host buffer (`share`), released by that handle
 
 
 @dataclass
@@ -169,7 +179,7 @@ class SwapHandle:
     """Block swap installed on a model; `remove()` puts every tensor back where it was."""
 
     def __init__(self, model: nn.Module, paths: Sequence[str], device: torch.device | str, slots: int = 2,
-                 pin: bool = True, timing: bool = False, freeze: bool = True):
+                 pin: bool = True, timing: bool = False, freeze: bool = True, share: Sequence["SwapHandle"] = ()):
         self.model = model
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
@@ -189,7 +199,11 @@ class SwapHandle:
         if freeze:
             for path in paths:
                 model.get_submodule(path).requires_grad_(False)
-        self.blocks = self._pack(paths, pin and self.cuda)
+        shared: dict[str, _Block] = {}
+        for h in share:                             # (the first handle that swaps a block shares it)
+            for b in h.blocks:
+                shared.setdefault(b.path, b)
+        self.blocks = self._pack(paths, pin and self.cuda, shared)
         self.slot_bytes = _align(max((b.nbytes for b in self.blocks), default=0))
         n_slots = min(slots, len(self.blocks))
         self.slots = [_Slot(torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device))
@@ -202,12 +216,17 @@ class SwapHandle:
         self._install_hooks()
 
     # --- install / remove --------------------------------------------------------------------
-    def _pack(self, paths: Sequence[str], pin: bool) -> list[_Block]:
-        """Copy each block's frozen tensors into its host buffer and leave placeholders behind."""
+    def _pack(self, paths: Sequence[str], pin: bool, shared: dict[str, _Block]) -> list[_Block]:
+        """Copy each block's frozen tensors into its host buffer and leave placeholders behind; a block in
+        `shared` (another handle's, by path) takes that block's host buffer instead."""
         swapped: set[int] = set()
         blocks = []
         for pos, path in enumerate(paths):
             module = self.model.get_submodule(path)
+            if path in shared:
+                blocks.append(self._mirror(pos, module, shared[path]))
+                swapped.update(id(e.tensor) for e in blocks[-1].entries)
+                continue
             entries, offset = [], 0
             named = list(module.named_parameters(remove_duplicate=False)) + list(module.named_buffers(remove_duplicate=False))
             for name, t in named:
@@ -221,17 +240,50 @@ class SwapHandle:
                 if any(e.tensor is t for e in entries) or t.numel() == 0:
                     continue
                 nbytes = t.numel() * t.element_size()
-                entries.append(_Entry(t, offset, nbytes, t.dtype, t.shape, t.device))
+                entries.append(_Entry(t, name, offset, nbytes, t.dtype, t.shape, t.device))
                 offset = _align(offset + nbytes)
                 swapped.add(id(t))
             blocks.append(_Block(pos, path, module, entries, offset))
         self._check_not_shared(paths, swapped)
         for block in blocks:
+            if block.host is not None:              # (mirrored: filled by the handle it shares)
+                continue
             block.host = _HostBuffer(block.nbytes, pin)
             for e in block.entries:
                 self._host_view(block, e).copy_(e.tensor.detach().reshape(e.shape))
                 e.tensor.data = self._placeholder(e.dtype)      # frees the original storage
         return blocks
+
+    def _mirror(self, pos: int, module: nn.Module, source: _Block) -> _Block:
+        """A block packed as `source` was (the same tensors by name, a `block_copy` of it), streaming from
+        `source`'s host buffer; its tensors become placeholders on this handle's device."""
+        own = dict(module.named_parameters(remove_duplicate=False))
+        own.update(module.named_buffers(remove_duplicate=False))
+        missing = [e.name for e in source.entries if e.name not in own or own[e.name].dtype != e.dtype]
+        if missing:
+            raise ValueError(f"{source.path}: cannot share the host copy of a block packed otherwise "
+                             f"({', '.join(missing[:3])}); place a SwapHandle.block_copy of it there")
+        entries = [_Entry(own[e.name], e.name, e.offset, e.nbytes, e.dtype, e.shape, torch.device("cpu"))
+                   for e in source.entries]
+        for e in entries:
+            e.tensor.data = self._placeholder(e.dtype)
+        return _Block(pos, source.path, module, entries, source.nbytes, source.host, owns_host=False)
+
+    def block_copy(self, path: str) -> nn.Module:
+        """A copy of offloaded block `path` as packed (placeholders: no bytes; its classes and attributes as
+        loading left them), without hooks: what another replica's model holds at `path` to `share` this
+        handle's host copy. Take it before the block first runs (its weights are then in no slot)."""
+        import copy
+        block = next(b for b in self.blocks if b.path == path)
+        if block.slot is not None:
+            raise RuntimeError(f"{path} is in a slot: copy it before the model runs")
+        duplicate = copy.deepcopy(block.module)
+        for m in duplicate.modules():
+            for hooks in (m._forward_pre_hooks, m._forward_hooks, m._backward_hooks, m._backward_pre_hooks,
+                          m._forward_hooks_with_kwargs, m._forward_pre_hooks_with_kwargs,
+                          m._forward_hooks_always_called):
+                hooks.clear()
+        return duplicate
 
     def _check_not_shared(self, paths: Sequence[str], swapped: set[int]) -> None:
         for name, t in list(self.model.named_parameters(remove_duplicate=False)) + \
@@ -274,7 +326,8 @@ class SwapHandle:
                 else:
                     e.tensor.data = self._placeholder(e.dtype)
             block.slot = None
-            block.host.release()
+            if block.owns_host:
+                block.host.release()
         for p, dev in getattr(self, "_moved_trainable", []):
             p.data = p.data.to(dev)
             if p.grad is not None:
@@ -486,7 +539,8 @@ class SwapHandle:
 
 
 def install_swap(model: nn.Module, offloaded: Sequence[str], device: torch.device | str, slots: int = 2,
-                 pin: bool = True, timing: bool = False, freeze: bool = True) -> SwapHandle:
+                 pin: bool = True, timing: bool = False, freeze: bool = True,
+                 share: Sequence[SwapHandle] = ()) -> SwapHandle:
     """Swap the blocks at `offloaded` (module paths, in the order the model runs them) between host
     memory and `slots` buffers on `device`, where they compute. The blocks' weights may be anywhere
     (host or device) when called; afterwards only the slots hold any on the device.
@@ -497,6 +551,8 @@ def install_swap(model: nn.Module, offloaded: Sequence[str], device: torch.devic
 
     Attach LoRA after this call: adapters are created where the layer's weight is, which is then the
     device (the placeholders live there). Use `remove()` before saving or moving the base model.
-    `timing` records CUDA events around each copy (see `SwapHandle.copy_seconds`).
+    `timing` records CUDA events around each copy (see `SwapHandle.copy_seconds`). `share`: another
+    replica's handles, whose host copies of the blocks they also swap this one streams (the module docstring).
+    Remove this handle before those.
     """
-    return SwapHandle(model, list(offloaded), device, slots, pin, timing, freeze)
+    return SwapHandle(model, list(offloaded), device, slots, pin, timing, freeze, share)

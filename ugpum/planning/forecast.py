@@ -10,7 +10,8 @@ import dataclasses
 
 from ..arch import get_spec
 from .devices import Device, parse_device_specs, resolve_devices, with_desktop
-from .plan import GIB, Plan, PlanError, alternatives_text, plan_training
+from .plan import GIB, MAX_MICRO_BATCHES, Plan, PlanError, alternatives_text
+from .space import best_plan, host_limit
 
 # What a machine without a GPU is shown instead: the most common cards first.
 TYPICAL_RIGS = (("1x RTX 4090 (24 GiB, PCIe 4 x16)", ["rtx4090"]),
@@ -34,16 +35,22 @@ def format_plan(plan: Plan) -> str:
              + f"  {'compiled' if w.get('compiled') else 'eager'}  base compute {w.get('base_compute', 'bf16')}", ""]
     header = f"{'device':<24} {'blocks':<44} {'swapped':>7} {'forecast / budget GiB':>22} {'s/micro-batch':>13}"
     lines += [header, "-" * len(header)]
-    for s in plan.stages:
-        lines.append(f"{s.device[:24]:<24} {_block_range(plan.block_paths, *s.blocks):<44} "
-                     f"{len(s.offloaded):>7} {s.forecast_gib:>10.1f} / {s.budget_gib:<9.1f} {s.seconds:>13.2f}")
+    for r, copy in enumerate(plan.copies):
+        for s in copy.stages:
+            device = f"replica {r + 1}: {s.device}" if plan.replicas else s.device
+            lines.append(f"{device[:24]:<24} {_block_range(plan.block_paths, *s.blocks):<44} "
+                         f"{len(s.offloaded):>7} {s.forecast_gib:>10.1f} / {s.budget_gib:<9.1f} {s.seconds:>13.2f}")
     lines += ["", f"hidden state per boundary: {plan.boundary_mib:.1f} MiB; per step "
               f"{plan.crossing_bytes_per_step / 2**20:.0f} MiB between devices, "
               f"{plan.swap_bytes_per_step / GIB:.1f} GiB block swap",
-              *([] if is_cpu_run(plan) else [
+              *([] if is_cpu_run(plan) or plan.replicas else [
                   "s/step for 1..8 micro-batches:",
-                  "  sequential " + " ".join(f"{t:.2f}" for t in plan.step_s["sequential"]),
-                  "  pipelined  " + " ".join(f"{t:.2f}" for t in plan.step_s["pipelined"])])]
+                  "  sequential " + " ".join(f"{t:.2f}" for t in plan.step_s["sequential"][:MAX_MICRO_BATCHES]),
+                  "  pipelined  " + " ".join(f"{t:.2f}" for t in plan.step_s["pipelined"][:MAX_MICRO_BATCHES])])]
+    if plan.replicas:
+        lines.append(f"replicas: {len(plan.replicas)} in {plan.runs_as}, micro-batches per step "
+                     f"{'/'.join(map(str, plan.shares))}; LoRA gradients averaged each step"
+                     + ("" if is_cpu_run(plan) else f": {plan.average_s:.2f} s/step"))
     if plan.swap_forecast:
         sf = plan.swap_forecast
         lines.append(f"one GPU ({sf['device']}) with swap: {sf['predicted_step_s']:.2f} s/step, "
@@ -52,7 +59,7 @@ def format_plan(plan: Plan) -> str:
         lines.append(f"micro-batch schedule: {plan.schedule} ({plan.in_flight} micro-batch"
                      f"{'es' if plan.in_flight > 1 else ''} of activations held per stage)")
     lines += [speed_line(plan), recompute_line(plan), host_line(plan), *(f"assumed: {a}" for a in plan.assumed),
-              "", plan.verdict, *alternatives_text(plan)]
+              "", plan.verdict, *alternatives_text(plan), *layouts_table(plan)]
     from .text_encoder_split import forecast_line
     text_encoder = forecast_line(plan)
     if text_encoder:
@@ -84,9 +91,29 @@ def speed_line(plan: Plan) -> str:
 
 def host_line(plan: Plan) -> str:
     """The host memory the run needs at its peak, with the pinned copies of swapped blocks in it."""
+    if plan.replicas:
+        swapped = any(p.offloaded_blocks for p in plan.replicas)
+        held = "" if not swapped else ", the replicas sharing one pinned copy of the blocks they swap" \
+            if plan.runs_as == "one process" else ", each process with its own pinned copy of the blocks it swaps"
+        return f"host memory: {plan.forecast_host_gib:.1f} GiB at the peak of training{held}"
     pinned = plan.swap_bytes_per_step / 2 / max(plan.grad_accum, 1) / GIB
     held = f", {pinned:.1f} of it pinned copies of the swapped blocks" if pinned else ""
     return f"host memory: {plan.forecast_host_gib:.1f} GiB at the peak of training{held}"
+
+
+def layouts_table(plan: Plan) -> list[str]:
+    """The layouts the planner weighed, each with its best plan's forecast, the chosen one marked."""
+    if not plan.layouts:
+        return []
+    lines = ["", "layouts weighed (* the plan above):",
+             f"  {'layout':<28} {'s/step':>8} {'fullest GPU':>12} {'host':>9}  plan of each copy"]
+    for r in plan.layouts:
+        seconds = "-" if r["predicted_step_s"] is None or is_cpu_run(plan) else f"{r['predicted_step_s']:.2f}"
+        gpu = "-" if r["gpu_gib"] is None else f"{r['gpu_gib']:.1f} GiB"
+        host = "-" if r["host_gib"] is None else f"{r['host_gib']:.1f} GiB"
+        what = "; ".join(x for x in (r["plan"], r["note"]) if x)
+        lines.append(f"{'*' if r['chosen'] else ' '} {r['layout'][:28]:<28} {seconds:>8} {gpu:>12} {host:>9}  {what}")
+    return lines
 
 
 def recompute_line(plan: Plan) -> str:
@@ -115,7 +142,8 @@ def plan_for_config(cfg, devices: list[Device] | None = None, split: list[int] |
     w = cfg.workload()
     if bucket:
         w = dataclasses.replace(w, width=bucket[0], height=bucket[1])
-    return plan_training(spec, devices, w, grad_accum=cfg.grad_accum, schedule=cfg.schedule, split=split)
+    return best_plan(spec, devices, w, grad_accum=cfg.grad_accum, schedule=cfg.schedule, split=split,
+                     replicas=cfg.replicas, host_available=host_limit(devices))
 
 
 def rigs_here_or_typical(rigs=TYPICAL_RIGS) -> list[tuple[str, list[Device], bool]]:

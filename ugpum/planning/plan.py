@@ -69,6 +69,20 @@ class Plan:
     recompute_saved_s: float = 0.0      # seconds per step the kept activations save against recompute all
     forecast_host_gib: float = 0.0      # the process's peak host memory (pinned swap copies included)
     assumed: list[str] = field(default_factory=list)   # per device: the memory, speed and link the forecast takes
+    # Replicas (ugpum.planning.space): several copies of the model side by side, each with its own plan over its
+    # GPU(s) (`replicas`, in device order) training `shares` of the step's micro-batches, their LoRA gradients
+    # averaged each step (`average_s`); the fields above are then the first replica's, but for the step's
+    # forecast, host memory and verdict. Empty: one copy, this plan.
+    replicas: list["Plan"] = field(default_factory=list)
+    shares: list[int] = field(default_factory=list)
+    average_s: float = 0.0
+    runs_as: str = ""                   # replicas: "one process" or "processes" (ugpum.planning.replicas)
+    layouts: list[dict] = field(default_factory=list)     # every layout weighed, its best plan's forecast (the table)
+
+    @property
+    def copies(self) -> list["Plan"]:
+        """The plan of each copy of the model that trains: the replicas', or this one."""
+        return self.replicas or [self]
 
     @property
     def kept_activations(self) -> list[int]:
@@ -292,7 +306,9 @@ def best_split(ev: StageCosts) -> list[int] | None:
     return [0] + cuts[::-1]
 
 
-def _step_times(ev: StageCosts, stages: list[Stage]) -> tuple[dict[str, list[float]], int, float]:
+def _step_times(ev: StageCosts, stages: list[Stage], upto: int = MAX_MICRO_BATCHES
+                ) -> tuple[dict[str, list[float]], int, float]:
+    """({schedule: s/step for 1..upto micro-batches}, boundary crossings, bytes of shared inputs per step)."""
     busy = [s for s in stages if s.blocks[1] > s.blocks[0]]
     cross_s, crossings = 0.0, 0
     for x, y in zip(busy, busy[1:]):
@@ -304,8 +320,8 @@ def _step_times(ev: StageCosts, stages: list[Stage]) -> tuple[dict[str, list[flo
     shared = ev.spec.shared_input_bytes(ev.w) * max(0, len(busy) - 1)
     shared_s = shared / (min(d.host_gbps for d in ev.devices) * 1e9) if shared else 0.0
     t = [s.seconds for s in busy]
-    sequential = [m * (sum(t) + cross_s) + shared_s for m in range(1, MAX_MICRO_BATCHES + 1)]
-    pipelined = [(m + len(t) - 1) * max(t) + cross_s + shared_s for m in range(1, MAX_MICRO_BATCHES + 1)]
+    sequential = [m * (sum(t) + cross_s) + shared_s for m in range(1, upto + 1)]
+    pipelined = [(m + len(t) - 1) * max(t) + cross_s + shared_s for m in range(1, upto + 1)]
     return {"sequential": sequential, "pipelined": pipelined}, crossings, shared
 
 
@@ -325,7 +341,9 @@ def manual_cuts(ev: StageCosts, split: list[int]) -> list[int]:
 
 
 def _solve(spec: ArchSpec, devices: list[Device], w: Workload, grad_accum: int, in_flight: int,
-           split: list[int] | None = None) -> Layout | None:
+           split: list[int] | None = None, kind: str | None = None) -> Layout | None:
+    """The layout of the best split (or `split`), its step forecast for the schedule `kind` ("sequential" or
+    "pipelined"; None: the faster of the two)."""
     ev = StageCosts(spec, devices, w, in_flight)
     cuts = manual_cuts(ev, split) if split else best_split(ev)
     if cuts is None:
@@ -340,19 +358,23 @@ def _solve(spec: ArchSpec, devices: list[Device], w: Workload, grad_accum: int, 
                             seconds, {key: round(v / GIB, 3) for key, v in mem.items()}, list(kept),
                             round(kept_bytes / GIB, 3)))
         all_recomputed.append(dataclasses.replace(stages[-1], seconds=ev.seconds(k, a, b, offloaded, ())))
-    step_s, crossings, shared = _step_times(ev, stages)
+    m = max(grad_accum, 1)
+    upto = max(m, MAX_MICRO_BATCHES)
+    step_s, crossings, shared = _step_times(ev, stages, upto)
     offloaded = [i for s in stages for i in s.offloaded]
     per_mb_crossing = crossings * 2 * ev.hidden
-    m = min(max(grad_accum, 1), MAX_MICRO_BATCHES)
-    predicted = min(step_s["sequential"][m - 1], step_s["pipelined"][m - 1])
-    recomputing, _, _ = _step_times(ev, all_recomputed)
+    recomputing, _, _ = _step_times(ev, all_recomputed, upto)
+
+    def at_m(times):
+        return times[kind][m - 1] if kind else min(times["sequential"][m - 1], times["pipelined"][m - 1])
+    predicted = at_m(step_s)
     pinned = sum(ev.weight[i] for i in offloaded)
     return Layout(stages=stages, offloaded_blocks=offloaded, boundary_mib=round(ev.hidden / MIB, 2),
                   forecast_host_gib=round(cost.host_bytes(spec, pinned) / GIB, 2),
                   crossing_bytes_per_step=per_mb_crossing * grad_accum + shared,
                   swap_bytes_per_step=2 * sum(ev.weight[i] for i in offloaded) * grad_accum,
                   step_s=step_s, predicted_step_s=predicted,
-                  recompute_saved_s=min(recomputing["sequential"][m - 1], recomputing["pipelined"][m - 1]) - predicted)
+                  recompute_saved_s=at_m(recomputing) - predicted)
 
 
 def make_plan(spec: ArchSpec, devices: list[Device], w: Workload, grad_accum: int = 1,
@@ -365,11 +387,11 @@ def make_plan(spec: ArchSpec, devices: list[Device], w: Workload, grad_accum: in
                  "sequential", in_flight)
 
 
-def _arranged(spec, devices, w, grad_accum, in_flight, split) -> Layout:
+def _arranged(spec, devices, w, grad_accum, in_flight, split, kind: str | None = None) -> Layout:
     """The best layout (or the given split's), or PlanError saying what would fit."""
     if not devices:
         raise PlanError(f"no device to plan for: give at least one {setting('gpu')} (e.g. 16GiB, rtx4090, auto)")
-    layout = _solve(spec, devices, w, grad_accum, in_flight, split)
+    layout = _solve(spec, devices, w, grad_accum, in_flight, split, kind)
     if layout is None:
         raise PlanError(_explain_failure(spec, devices, w, grad_accum, in_flight))
     return layout
@@ -377,12 +399,14 @@ def _arranged(spec, devices, w, grad_accum, in_flight, split) -> Layout:
 
 def _scheduled(spec, devices, w, grad_accum, schedule, split) -> tuple[Layout, str, int]:
     """(layout, schedule, micro-batches in flight): `schedule` "auto" takes the fastest order for the
-    split, and the layout counts the activations of every micro-batch that order keeps in flight."""
+    split, and the layout counts the activations of every micro-batch that order keeps in flight; its step
+    forecast is that order's (a split that swaps blocks runs its micro-batches one after another)."""
     layout = _arranged(spec, devices, w, grad_accum, 1, split)
     chosen = best_schedule(layout, grad_accum) if schedule == "auto" else schedule
     held = held_in_flight(chosen, len(devices), grad_accum)
-    if held > 1:
-        layout = _arranged(spec, devices, w, grad_accum, held, split)
+    kind = "sequential" if chosen == "sequential" else "pipelined"
+    if held > 1 or layout.step_s[kind][max(grad_accum, 1) - 1] != layout.predicted_step_s:
+        layout = _arranged(spec, devices, w, grad_accum, held, split, kind)
     return layout, chosen, held
 
 
@@ -409,23 +433,24 @@ def _plan(spec, devices, w, grad_accum, layout: Layout, schedule: str, in_flight
 
 
 def plan_training(spec: ArchSpec, devices: list[Device], w: Workload, grad_accum: int = 1,
-                  schedule: str = "auto", split: list[int] | None = None) -> Plan:
+                  schedule: str = "auto", split: list[int] | None = None, listed: bool = True) -> Plan:
     """The plan a training run uses, and the only one any front end shows: the split, its forecast
     and the micro-batch schedule, with the activations of every micro-batch that schedule keeps in
     flight counted in each stage's memory. `schedule` "auto" takes the fastest order for the split.
     `w.base_compute` "auto" picks the base's precision (`choose_base_compute`); a bf16 plan that swaps
-    blocks lists the quantised plans the devices could run instead (`Plan.alternatives`)."""
+    blocks lists the quantised plans the devices could run instead (`Plan.alternatives`; not when `listed` is
+    False: a plan only weighed against others)."""
     if w.base_compute == AUTO:
-        return choose_base_compute(spec, devices, w, grad_accum, schedule, split)
+        return choose_base_compute(spec, devices, w, grad_accum, schedule, split, listed)
     _check_tensor_cores(w.base_compute, devices)
     layout, chosen, held = _scheduled(spec, devices, w, grad_accum, schedule, split)
     return _plan(spec, devices, w, grad_accum, layout, chosen, held,
-                 alternatives=_alternatives_to(w, layout, spec, devices, grad_accum, schedule, split))
+                 alternatives=_alternatives_to(w, layout, spec, devices, grad_accum, schedule, split, listed))
 
 
-def _alternatives_to(w, layout, spec, devices, grad_accum, schedule, split) -> list[dict]:
-    """The quantised plans beside an exact base that swaps blocks (none otherwise)."""
-    if mode_named(w.base_compute).quantises or not layout.offloaded_blocks:
+def _alternatives_to(w, layout, spec, devices, grad_accum, schedule, split, listed: bool = True) -> list[dict]:
+    """The quantised plans beside an exact base that swaps blocks (none otherwise, or unless `listed`)."""
+    if mode_named(w.base_compute).quantises or not layout.offloaded_blocks or not listed:
         return []
     return _quantised_alternatives(spec, devices, w, grad_accum, schedule, split)
 
@@ -488,7 +513,7 @@ def _quantised_alternatives(spec, devices, w, grad_accum, schedule, split) -> li
 
 
 def choose_base_compute(spec: ArchSpec, devices: list[Device], w: Workload, grad_accum: int = 1,
-                        schedule: str = "auto", split: list[int] | None = None) -> Plan:
+                        schedule: str = "auto", split: list[int] | None = None, listed: bool = True) -> Plan:
     """base_compute = auto: the exact base (bf16) wherever it fits without block swap; otherwise the first
     tensor-core mode every device runs (fp8 from Ada/Hopper on, int8 on Ampere), which holds and streams
     half the bytes, unless the forecast says it would be slower. The plan says which and why."""
@@ -502,7 +527,7 @@ def choose_base_compute(spec: ArchSpec, devices: list[Device], w: Workload, grad
     def exact_plan(why: str) -> Plan:
         layout, chosen, held = exact_layout
         return _plan(spec, devices, w16, grad_accum, layout, chosen, held, f"base compute auto: {exact} ({why})",
-                     _alternatives_to(w16, layout, spec, devices, grad_accum, schedule, split))
+                     _alternatives_to(w16, layout, spec, devices, grad_accum, schedule, split, listed))
     if exact_layout is not None and not exact_layout[0].offloaded_blocks:
         return exact_plan("the model fits without block swap")
     chosen_mode = devices_mode(devices)
@@ -529,7 +554,7 @@ def choose_base_compute(spec: ArchSpec, devices: list[Device], w: Workload, grad
                 f"s/step, {mode} {swaps8} at {layout8.predicted_step_s:.2f} s/step")
     if layout8.predicted_step_s > layout16.predicted_step_s:
         return exact_plan(f"{compared}: {exact} is faster")
-    others = [a for a in _alternatives_to(w16, layout16, spec, devices, grad_accum, schedule, split)
+    others = [a for a in _alternatives_to(w16, layout16, spec, devices, grad_accum, schedule, split, listed)
               if a["base_compute"] != mode]
     return _plan(spec, devices, workload_in_mode(w, mode), grad_accum, layout8, chosen8, held8,
                  f"base compute auto: {mode} ({compared}; {chosen_mode.quality})", others)

@@ -32,6 +32,7 @@ _WHOLE_RANGES = (
     ("steps", 1, 10_000_000, "optimizer steps"),
     ("batch", 1, 256, "samples per micro-batch"),
     ("grad_accum", 1, 4096, "micro-batches per optimizer step"),
+    ("replicas", 0, 64, "copies of the model side by side; 0: the planner chooses"),
     ("rank", 1, MAX_RANK, "the LoRA's rank"),
     ("warmup_steps", 0, 10_000_000, "steps of linear warmup"),
     ("seed", 0, MAX_SEED, "any whole number"),
@@ -157,6 +158,9 @@ class TrainConfig:
                                           # drives a display (a card described by name or size is taken to), else 0
     schedule: str = "auto"                # micro-batch order: auto | sequential | gpipe | 1f1b; distributed runs
     #                                       also interleaved-1f1b | zero-bubble (two stages per rank)
+    replicas: int = 0                     # copies of the model training a step's micro-batches side by side, LoRA
+                                          # gradients averaged each step: 0 the planner chooses (ugpum/planning/
+                                          # layouts.py), 1 one copy (the split), R copies over devices / R GPUs each
     save_every: int = 0                   # a checkpoint (and LoRA) every N steps; 0: by time only
     save_every_minutes: float = 10.0      # ... and whenever this much training time passed since the last
                                           # (0: off); every stop saves as well (Ctrl-C, SIGTERM, Cancel, errors)

@@ -3,6 +3,7 @@ trainable (8-bit base, in-place guard, compiled, recomputed blocks wrapped), the
 A setting an engine cannot honour is refused here, by name, before any weight is loaded."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -17,7 +18,8 @@ from ..planning.forecast import recompute_line
 from ..compute.dtypes import TORCH_DTYPES
 from ..compute.inplace_guard import guard_inplace_residuals
 from ..placement.place import place_by_plan
-from ..planning.plan import Plan, plan_training
+from ..planning.plan import Plan
+from ..planning.space import best_plan, host_limit
 from ..placement.schedules import DISTRIBUTED_ONLY
 from .config import TrainConfig
 from .lr_schedule import lr_factor  # noqa: F401 (the loop's and the benches' import)
@@ -34,9 +36,9 @@ def plan_for(cfg: TrainConfig, spec: ArchSpec | None = None) -> Plan:
                             f"({setting('distributed')} under torchrun, README \"Past one machine\"); one process "
                             "runs auto, sequential, gpipe or 1f1b")
     spec = spec or get_spec(cfg.model)
-    return plan_training(spec, resolve_devices(cfg.devices, spec, training=True, desktop_gib=cfg.desktop_gib),
-                         cfg.workload(),
-                         grad_accum=cfg.grad_accum, schedule=cfg.schedule)
+    devices = resolve_devices(cfg.devices, spec, training=True, desktop_gib=cfg.desktop_gib)
+    return best_plan(spec, devices, cfg.workload(), grad_accum=cfg.grad_accum, schedule=cfg.schedule,
+                     replicas=cfg.replicas, host_available=host_limit(devices))
 
 
 def base_linear_paths(spec, block_paths: list[str]) -> list[str]:
@@ -89,10 +91,26 @@ def make_trainable(cfg: TrainConfig, plan: Plan, spec, model, block_paths: list[
     return undo
 
 
-def prepare_model(cfg: TrainConfig, spec, plan: Plan, model, key_prefix: str = "", log=print):
-    """Place the DiT by the plan (streaming it from its file when built on meta), attach the LoRA and
-    make it trainable. Settings the plan resolved (base compute, schedule, devices) are read from the
-    plan, never from `cfg`. Returns (model, lora, layout, release)."""
+@dataclass
+class Placed:
+    """A model placed by its plan, not yet trainable (`place_for_training`)."""
+    plan: Plan
+    model: torch.nn.Module
+    placement: object               # ugpum.placement.place.Placement or SwapPlacement
+    quantise: QuantiseAsLoaded | None
+    on_meta: bool
+
+    @property
+    def swaps(self) -> list:
+        """The block swap handles of the placement (one per device that swaps; none without swap)."""
+        return list(getattr(self.placement, "swaps", []))
+
+
+def place_for_training(cfg: TrainConfig, spec, plan: Plan, model, key_prefix: str = "", share=()) -> Placed:
+    """Place the DiT by the plan, streaming it from its file when built on meta (8-bit layers quantised as
+    they arrive). `share`: another replica's swap handles, whose host copies of the blocks this one swaps too
+    it streams (`ugpum.placement.place.share_swapped_blocks`). Settings the plan resolved (base compute,
+    schedule, devices) are read from the plan, never from `cfg`."""
     on_meta = any(p.is_meta for p in model.parameters())     # streamed from its file: dropped after
     if mode_named(plan.base_compute).quantises and plan.offloaded_blocks and not on_meta:
         raise TrainingError(f"base_compute = {plan.base_compute} with block swap quantises each layer as it streams "
@@ -100,17 +118,31 @@ def prepare_model(cfg: TrainConfig, spec, plan: Plan, model, key_prefix: str = "
     block_paths = [b.path for b in spec.blocks]
     quantise = quantiser(plan, spec, block_paths, [s.torch_device for s in plan.stages], model)
     placement = place_by_plan(model, plan, spec.tail_modules, cfg.model_file, key_prefix,
-                              TORCH_DTYPES[cfg.weight_dtype], on_weight=quantise)
+                              TORCH_DTYPES[cfg.weight_dtype], on_weight=quantise, share=share)
+    return Placed(plan, model, placement, quantise, on_meta)
+
+
+def make_placed_trainable(cfg: TrainConfig, spec, placed: Placed, log=print, drop: bool = False):
+    """Attach the LoRA to a placed model and make it trainable. Returns (model, lora, layout, release);
+    release() discards the weights where the model was streamed from its file, or `drop` (a replica's copy)."""
+    plan, model = placed.plan, placed.model
+    block_paths = [b.path for b in spec.blocks]
     lora = attach_lora(model, lora_targets(block_paths, [b.linears for b in spec.blocks], tuple(cfg.targets)),
                        cfg.rank, cfg.alpha, seed=cfg.seed)
     log(recompute_line(plan))                            # the forecast's line; make_trainable says what it did
-    undo_trainable = make_trainable(cfg, plan, spec, model, block_paths, quantise, log)
+    undo_trainable = make_trainable(cfg, plan, spec, model, block_paths, placed.quantise, log)
 
     def release():
         undo_trainable()
         lora.remove()
-        placement.undo("meta" if on_meta else None)     # (a model streamed from its file is dropped)
-    return model, lora, placement.layout, release
+        placed.placement.undo("meta" if placed.on_meta or drop else None)     # (streamed from its file: dropped)
+    return model, lora, placed.placement.layout, release
+
+
+def prepare_model(cfg: TrainConfig, spec, plan: Plan, model, key_prefix: str = "", log=print):
+    """Place the DiT by the plan (streaming it from its file when built on meta), attach the LoRA and
+    make it trainable. Returns (model, lora, layout, release)."""
+    return make_placed_trainable(cfg, spec, place_for_training(cfg, spec, plan, model, key_prefix), log)
 
 
 def make_optimizer(cfg: TrainConfig, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:

@@ -1,6 +1,8 @@
 """The one-process engine behind `train()`: the model placed by the plan on this machine's devices
 (split over its GPUs, blocks swapped from host memory where they do not fit), each step's
-micro-batches pipelined over its stages (`ugpum.placement.pipeline.accumulate`).
+micro-batches pipelined over its stages (`ugpum.placement.pipeline.accumulate`); or, where the plan has
+replicas, a copy of the model for each, training its share of the micro-batches beside the others
+(`replicas.py`).
 
 A stepper keeps the contract `engine.Stepper` writes down: what `ugpum.train.loop.train` asks of
 its engine. The torchrun engine (`ugpum.distributed.stepper`) keeps it for one rank of a job."""
@@ -10,10 +12,10 @@ from contextlib import AbstractContextManager
 
 import torch
 
-from ..placement.pipeline import accumulate
 from .run.checkpoint import load_checkpoint
 from .objective import micro_loss, validation_loss
-from .prepare import plan_for, prepare_model
+from .prepare import plan_for
+from .replicas import Replicas, place_replicas
 from .run.folder import save_run
 from .stopping import stop_on_sigterm
 
@@ -41,9 +43,17 @@ class OneProcessStepper:
 
     def prepare(self, cfg, spec, plan, model, key_prefix: str, log) -> None:
         self.cfg, self.spec, self.plan = cfg, spec, plan
-        self.model, self.lora, self.layout, self.release = prepare_model(cfg, spec, plan, model, key_prefix, log)
-        self.params = [p for _, a in self.lora.items() for p in (a.A, a.B)]
-        self.devices = sorted({s.torch_device for s in plan.stages if s.torch_device.startswith("cuda")})
+        self.replicas = Replicas(place_replicas(cfg, spec, plan, model, key_prefix, log), plan.shares)
+        lead = self.replicas.lead                  # the replica whose LoRA trains (the only one without replicas)
+        self.model, self.lora, self.layout = lead.model, lead.lora, lead.layout
+        self.params = lead.params
+        self.devices = self.replicas.devices
+        if plan.replicas:
+            log(f"replicas: {len(plan.replicas)} in one process, micro-batches per step "
+                f"{'/'.join(map(str, plan.shares))}, LoRA gradients summed on the first")
+            if plan.runs_as != "one process":        # (ugpum/planning/replicas.py: not built yet)
+                log(f"note: the plan would run the replicas as {plan.runs_as}, which this engine cannot start: "
+                    "they run in this one process, slower than the forecast by what one process loses")
         if cfg.grad_accum > 1:
             log(f"micro-batch schedule: {plan.schedule}")
 
@@ -55,11 +65,11 @@ class OneProcessStepper:
         step's loss (each micro-batch's mean loss / grad_accum, summed)."""
         cfg = self.cfg
 
-        def one(k: int) -> torch.Tensor:
+        def one(replica, k: int) -> torch.Tensor:
             picked = micro_batches(k)
-            return micro_loss(self.model, self.spec, cfg, [features.latents[i] for i in picked],
-                              [features.contexts[i] for i in picked], k, self.layout.first) / cfg.grad_accum
-        return sum(float(x) for x in accumulate(one, ks, self.plan.schedule, self.layout, self.model))
+            return micro_loss(replica.model, self.spec, cfg, [features.latents[i] for i in picked],
+                              [features.contexts[i] for i in picked], k, replica.layout.first) / cfg.grad_accum
+        return self.replicas.step(ks, one)
 
     def clip(self, max_norm: float) -> None:
         torch.nn.utils.clip_grad_norm_(self.params, max_norm)
@@ -82,4 +92,4 @@ class OneProcessStepper:
         return save_run(run, self.cfg, self.spec, self.lora, optimizer, at, name, stopping, log)
 
     def finish(self) -> None:
-        self.release()
+        self.replicas.release()

@@ -54,7 +54,7 @@ __all__ = ["DiskFull", "NonFinite", "SaveRefused"]       # (re-exported: what a 
 # changes what is trained.
 MAY_CHANGE = frozenset({"steps", "sample_every", "sample_prompt", "sample_steps", "sample_seed", "sample_guidance",
                         "save_every", "save_every_minutes", "output_name", "cache_dir", "devices", "schedule",
-                        "recompute", "dataset", "dataset_root", "model_file", "desktop_gib"})
+                        "recompute", "replicas", "dataset", "dataset_root", "model_file", "desktop_gib"})
 # compared through the dataset's content hash and the model file's header digest instead of paths
 
 

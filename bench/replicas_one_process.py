@@ -1,0 +1,119 @@
+"""What one process costs driving two replicas (issue 40): two worker threads driving two replicas of a model's
+blocks on one GPU, against one worker driving one, through the engine's own replicas (`ugpum.train.replicas`).
+
+  python bench/model_files.py dit --model flux2-klein-base-9b --path /tmp/k9-base.safetensors   # random weights
+  python bench/replicas_one_process.py --model-file /tmp/k9-base.safetensors --device cuda:0 \
+      --rows bench/results/replicas_one_process.jsonl
+  python bench/replicas_one_process.py --profile tiny-flux2 --device cpu --steps 3 --rows R.jsonl   # CPU smoke
+
+Both cases train 2 micro-batches a step of the same random latents: one worker (the plan of one copy on the
+device) or two (`--replicas 2` on the device twice: each replica one micro-batch, in its own thread). A row per
+case: the median wall seconds a step and the process's CPU seconds a step (every thread: Python, the GIL,
+kernel launches), and on a GPU the kernels launched a step (torch.profiler over one step) and the host's
+microseconds per launch. The last row is the estimate ugpum/planning/replicas.py's ONE_PROCESS_LOSS stands for:
+on two cards each replica has a GPU of its own, so one process loses time where the host cannot launch both
+replicas' work while one replica's GPU work runs: max(0, two workers' CPU s / (one worker's step / 2) - 1), an
+upper bound (a thread waiting for its GPU may spin).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+import comfy_bridge  # noqa: E402
+from ugpum.arch import get_spec, recognise  # noqa: E402
+from ugpum.compute.dtypes import TORCH_DTYPES  # noqa: E402
+from ugpum.planning.devices import parse_device_specs  # noqa: E402
+from ugpum.planning.space import best_plan  # noqa: E402
+from ugpum.train.config import load_config  # noqa: E402
+from ugpum.train.encoders import StandInEncoders  # noqa: E402
+from ugpum.train.objective import micro_loss  # noqa: E402
+from ugpum.train.replicas import Replicas, place_replicas  # noqa: E402
+
+
+def case(a, copies: int) -> dict:
+    """Train `a.steps` steps of 2 micro-batches with `copies` replicas on `a.device`; the case's row."""
+    model_id = recognise(a.model_file)[0].id if a.model_file else None        # (base or distilled: the file's)
+    cfg = load_config(a.profile, overrides=dict(model=model_id, model_file=a.model_file or "", grad_accum=2,
+                                                devices=[a.device] * copies, replicas=copies, compile=a.compile))
+    spec = get_spec(cfg.model)
+    plan = best_plan(spec, parse_device_specs(cfg.devices), cfg.workload(), 2, replicas=copies)
+    model, prefix = comfy_bridge.build_dit(spec, TORCH_DTYPES[cfg.weight_dtype], cfg.model_file, seed=cfg.seed)
+    replicas = Replicas(place_replicas(cfg, spec, plan, model, prefix, lambda *_: None), plan.shares)
+    encoders = StandInEncoders(spec)
+    side = cfg.resolution
+    latent = encoders.encode_images(torch.rand(1, 3, side, side) * 2 - 1)[0]
+    context = encoders.encode_text(["a photo"])[0]
+
+    def loss_of(replica, k: int) -> torch.Tensor:
+        return micro_loss(replica.model, spec, cfg, [latent], [context], k, replica.layout.first) / 2
+    optimizer = torch.optim.AdamW(replicas.lead.params, lr=cfg.lr)
+    wall, cpu = [], []
+    try:
+        for step in range(a.steps):
+            t0, c0 = time.perf_counter(), time.process_time()
+            replicas.step([2 * step, 2 * step + 1], loss_of)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if a.device.startswith("cuda"):
+                torch.cuda.synchronize()
+            wall.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
+        launches = kernel_launches(replicas, loss_of, a.steps) if a.device.startswith("cuda") else None
+    finally:
+        replicas.release()
+    cpu_s = statistics.median(cpu[a.warmup:])
+    return {"case": f"{copies} worker(s)", "replicas": copies, "device": a.device, "profile": a.profile,
+            "model": spec.id, "micro_batches": 2, "s_per_step": statistics.median(wall[a.warmup:]), "cpu_s_per_step":
+            cpu_s, "step_times": wall, "kernel_launches": launches,
+            "us_per_launch": cpu_s / launches * 1e6 if launches else None, "torch": torch.__version__,
+            "gpu": torch.cuda.get_device_name(a.device) if a.device.startswith("cuda") else None}
+
+
+def kernel_launches(replicas: Replicas, loss_of, k: int) -> int:
+    """Kernels launched in one step (torch.profiler's CPU-side launch events)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        replicas.step([2 * k, 2 * k + 1], loss_of)
+    return sum(e.count for e in prof.key_averages() if e.key in ("cudaLaunchKernel", "cuLaunchKernel"))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--profile", default="klein-9b-1024", help="the training profile (its model, resolution, rank)")
+    p.add_argument("--model-file", help="the DiT file (random weights: bench/model_files.py dit); tiny profiles "
+                                        "need none")
+    p.add_argument("--device", default="cuda:0", help="the one device both replicas run on")
+    p.add_argument("--compile", choices=["auto", "on", "off"], default="auto")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=2, help="first steps not timed")
+    p.add_argument("--rows", required=True, help="the JSON lines file the rows are appended to")
+    a = p.parse_args(argv)
+    if a.steps <= a.warmup:
+        p.error(f"--steps {a.steps}: more than --warmup {a.warmup}, or nothing is timed")
+    bridge_folder = comfy_bridge.find_comfyui_or_raise()
+    comfy_bridge.import_comfy(bridge_folder, cpu=not a.device.startswith("cuda"))
+    with comfy_bridge.comfy_training_mode():
+        one, two = case(a, 1), case(a, 2)
+    loss = max(0.0, two["cpu_s_per_step"] / (one["s_per_step"] / 2) - 1)
+    estimate = {"estimate": "one_process_loss_two_cards", "value": loss, "device": a.device, "profile": a.profile,
+                "from": "two workers' CPU s / (one worker's step / 2) - 1", "when": time.strftime("%Y-%m-%d %H:%M")}
+    Path(a.rows).parent.mkdir(parents=True, exist_ok=True)
+    with open(a.rows, "a", encoding="utf-8") as f:
+        for row in (one, two, estimate):
+            f.write(json.dumps(row) + "\n")
+    print(f"one worker {one['s_per_step']:.3f} s/step, two workers {two['s_per_step']:.3f} s/step; one process "
+          f"on two cards loses about {loss:.1%}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
