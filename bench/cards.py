@@ -79,28 +79,21 @@ def cap_card(card_gib: float | None):
 
 
 def record_plans(kept: list, variant: str = ""):
-    """Keep every plan that `plan_training` returns (the run's plan is the last one made before training);
-    with `variant`, each is first turned into that neighbour of the planner's pick (`neighbour`)."""
-    import ugpum.planning.plan as plan_module
-    original = plan_module.plan_training
-
-    depth = [0]                  # (base compute auto plans bf16 through the same function: the outer call counts)
+    """Keep every plan `best_plan` returns (the one planning call of every front end: the run's plan is the last
+    one made before training); with `variant`, each is first turned into that neighbour of the planner's pick."""
+    import ugpum.train.prepare  # noqa: F401  (imports the modules that hold best_plan)
+    import ugpum.planning.space as space
+    original = space.best_plan
 
     def recorded(spec, devices, w, *args, **kwargs):
-        depth[0] += 1
-        try:
-            plan = original(spec, devices, w, *args, **kwargs)
-        finally:
-            depth[0] -= 1
-        if variant and depth[0] == 0:
+        plan = original(spec, devices, w, *args, **kwargs)
+        if variant:
             plan = neighbour(plan, variant, spec, devices)
         kept.append(plan)
         return plan
-    plan_module.plan_training = recorded
-    for name in ("ugpum.train.prepare", "ugpum.train.loop", "ugpum.planning.forecast"):
-        module = sys.modules.get(name) or __import__(name, fromlist=["_"])
-        if getattr(module, "plan_training", None) is original:
-            module.plan_training = recorded
+    for module in list(sys.modules.values()):
+        if getattr(module, "best_plan", None) is original:
+            module.best_plan = recorded
 
 
 def neighbour(plan, variant: str, spec, devices):

@@ -143,29 +143,8 @@ def write_table(summary: dict, path: Path, label: str) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
-def retable(path: Path) -> None:
-    """Rewrite OUT.json and OUT.txt of a profile recorded before annotations were told from kernels
-    (2026-12-07's first tables): the annotation rows leave the top kernels, their time leaves their class and
-    the kernel total, and the GPU's busy time (then the step's whole span) is dropped."""
-    s = json.loads(path.read_text())
-    dropped = [k for k in s["top_kernels"] if is_annotation(k["name"])]
-    gone = sum(k["ms_per_step"] for k in dropped)
-    s["top_kernels"] = [k for k in s["top_kernels"] if not is_annotation(k["name"])]
-    for k in dropped:
-        s["by_class_ms_per_step"][k["class"]] = round(s["by_class_ms_per_step"][k["class"]] - k["ms_per_step"], 2)
-    s["by_class_ms_per_step"] = dict(sorted(s["by_class_ms_per_step"].items(), key=lambda kv: -kv[1]))
-    s["kernel_ms_per_step"], s["gpu_busy_ms_per_step"] = round(s["kernel_ms_per_step"] - gone, 1), None
-    s["retabled"] = f"annotation rows removed from the top kernels and 'other': {', '.join(k['name'][:40] for k in dropped)}"
-    path.write_text(json.dumps(s, indent=1))
-    write_table(s, path.with_suffix(".txt"), s["label"])
-
-
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["--retable"]:
-        for name in argv[1:]:
-            retable(Path(name))
-        return 0
     if "--" not in argv:
         sys.exit("usage: profile_steps.py --out PREFIX [--skip N] [--active N] -- (PROGRAM.py | -m MODULE) [ARGS...]")
     cut = argv.index("--")

@@ -22,8 +22,7 @@
 #   wan-cards   Wan 2.1 14B (640² x 17 frames, rank 32) on 16 and 24 GiB cards, as planned
 #   fit         what the planner's memory and time model is fitted to (bench/calibration_fit.py reads the rows)
 #   cuda-tests  the tests that run on CUDA when it is there
-#   nodes       the nodes in ComfyUI's default GPU mode: the node tests, then klein 9B through the nodes with
-#               ComfyUI's memory watched (bench/comfyui_gpu_klein.py)
+#   nodes       the node tests in ComfyUI's default GPU mode (DynamicVRAM, cudaMallocAsync as they come)
 #   before-after  the whole-GPU and 16 GiB klein cases on REF's tree and on this one, alternated
 #   one-process what one process costs driving two replicas: two workers against one on cuda:0
 #               (bench/replicas_one_process.py; the planner assumes 2 % until this is measured)
@@ -129,15 +128,9 @@ for s in $sections; do
   cuda-tests) step "the tests that run on CUDA"
     timeout ${TESTS_S:-280} python3 -m pytest -q -p no:cacheprovider tests/unit/test_swap_8bit.py tests/unit/test_place.py \
       tests/integration/test_train.py -k "cuda or gpu" 2>&1 | tail -15 | tee -a "$log" ;;
-  nodes) step "the node tests, ComfyUI in its GPU mode (and klein 9B's files written meanwhile)"
-    ( timeout 300 python3 bench/model_files.py klein-folder /tmp/k9models >> "$out/write_models.log" 2>&1 ) &
+  nodes) step "the node tests, ComfyUI in its GPU mode"
     UGPUM_TEST_COMFYUI_GPU=1 timeout ${TESTS_S:-280} python3 -m pytest -q -p no:cacheprovider -rfE \
-      tests/server/test_comfy_nodes.py 2>&1 | tail -15 | tee -a "$log"
-    wait
-    step "klein 9B through the nodes, ComfyUI in its GPU mode"
-    UGPUM_TEST_COMFYUI_GPU=1 timeout ${KLEIN_S:-400} python3 bench/comfyui_gpu_klein.py --models /tmp/k9models \
-      --out "$out" >> "$log" 2>&1
-    echo "rc=$? nodes-klein" | tee -a "$log" ;;
+      tests/server/test_comfy_nodes.py 2>&1 | tail -15 | tee -a "$log" ;;
   before-after) model_file $k9 flux2-klein-9b
     rm -rf /tmp/before && tar -C /tmp -xJf .carry/before.tar.xz || exit 1
     for card in whole 16; do

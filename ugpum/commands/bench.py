@@ -17,7 +17,6 @@ SUMMARIES = {
     "attention_backends": "forward+backward of each of PyTorch's attention kernels at the models' shapes",
     "calibration_fit": "fit the planner's memory and time model to recorded training runs",
     "cards": "train as a smaller card would: the GPU capped to a card's memory, the plan's forecast against it",
-    "comfyui_gpu_klein": "klein 9B through the nodes in a ComfyUI running on the GPU, its memory watched",
     "model_files": "write full-size model files with random weights, in the layouts real checkpoints have",
     "peer_wan": "a diffusers + PEFT LoRA step on Wan 2.1 14B, the peer for Wan's speed rows",
     "profile_steps": "a kernel table by op class of a few training steps of any program",
