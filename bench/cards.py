@@ -318,9 +318,9 @@ def speed_row(a, row: dict, plan) -> dict:
     later of the run's own metrics.jsonl (the case row's step_seconds; compile and warm-up excluded), with
     the clocks it ran at."""
     timed = row["step_seconds"][4:]
-    return {"model": row["model"], "impl": "ugpum_cli", "experiment": a.experiment, "mode": row["base_compute"], "compiled": a.compile == "on",
-            "compile": a.compile, "choice": a.choice, "variant": a.variant, "of": a.of,
-        "recompute": a.recompute, "kept_blocks": len(plan.kept_activations) if plan else None,
+    return {"model": row["model"], "impl": "ugpum_cli", "experiment": a.experiment, "mode": row["base_compute"],
+            "compiled": a.compile == "on", "compile": a.compile, "choice": a.choice, "variant": a.variant, "of": a.of,
+            "recompute": a.recompute, "kept_blocks": len(plan.kept_activations) if plan else None,
             "card_gib": a.card_gib, "s_per_step": round(statistics.median(timed), 4) if timed else None,
             "timed_steps": len(timed), "peak_gib": row["peak_gib"], "sm_clock_mhz": row.get("sm_clock_mhz_median"),
             "power_w": row.get("power_w_median"), "forecast_s": row["forecast_s"], "forecast_gib": row["forecast_gib"],

@@ -86,9 +86,6 @@ class Output:
         self.lost: list[OSError] = []
         self.training = bool(argv) and argv[0] == "train"
 
-    def cut(self, text: str) -> str:
-        return cut_values(text, self.values)
-
     def exit_code(self, code: int) -> int:
         """`code`, or what a lost output makes of it: quiet for a closed pipe, else one sentence."""
         if not self.lost:

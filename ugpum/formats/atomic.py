@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from .disk_space import check_space, refused_write
+from .disk_space import check_space, raise_refused
 
 
 def temp_name_for(final: Path) -> Path:
@@ -182,10 +182,7 @@ def atomic_path(final: Path | str, needed: int | None = None, kept: str | None =
     except BaseException as err:
         with contextlib.suppress(OSError):          # (a disk that went read-only keeps it: the next run clears it)
             temp.unlink(missing_ok=True)
-        refused = refused_write(err, final.parent, final.name, needed, kept)
-        if refused is not err:
-            raise refused from None                 # the sentence says it all: no chained traceback
-        raise
+        raise_refused(err, final.parent, final.name, needed, kept)
 
 
 def write_json_atomic(path: Path | str, obj: Any) -> None:
@@ -206,7 +203,4 @@ def append_line(path: Path | str, line: str) -> None:
     except OSError as err:
         with contextlib.suppress(OSError):
             os.truncate(path, size)
-        refused = refused_write(err, path.parent, path.name, len(line) + 1)
-        if refused is err:
-            raise
-        raise refused from None
+        raise_refused(err, path.parent, path.name, len(line) + 1)

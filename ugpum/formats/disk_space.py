@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import shutil
 from pathlib import Path
+from typing import NoReturn
 
 from .refused import SaveRefused, os_error_code, refusal
 
@@ -72,6 +73,16 @@ def refused_write(err: BaseException, folder: Path, what: str, needed: int | Non
     if is_disk_full(err):
         return DiskFull(_sentence(Path(folder), what, needed, free_bytes(folder), kept))
     return refusal(err, Path(folder), what, kept)
+
+
+def raise_refused(err: BaseException, folder: Path, what: str, needed: int | None = None,
+                  kept: str | None = None) -> NoReturn:
+    """Raise `err` as its one sentence when the system refused the write (`refused_write`: no chained
+    traceback, the sentence says it all), else `err` as it is."""
+    refused = refused_write(err, folder, what, needed, kept)
+    if refused is err:
+        raise err
+    raise refused from None
 
 
 def enough_space(folder: Path, needed: int) -> bool:

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from .route import Router
-from .swap import SwapHandle, install_swap
+from .swap import SwapHandle, install_swap, shared_blocks
 
 
 @dataclass
@@ -271,12 +271,9 @@ def share_swapped_blocks(model: nn.Module, offloaded: Sequence[str], share: Sequ
     """Put into `model` (another replica of the model `share` swaps blocks of, before it is placed) a
     `block_copy` of each block both swap, so that its swap streams them from `share`'s host copies and
     nothing loads them again (`place_with_swap(..., share=share)` then mirrors them)."""
-    owners: dict[str, SwapHandle] = {}
-    for h in share:
-        for b in h.blocks:
-            owners.setdefault(b.path, h)
+    owners = shared_blocks(share)
     for path in offloaded:
         if path in owners:
             parent, _, name = path.rpartition(".")
             owner = model.get_submodule(parent) if parent else model
-            owner.register_module(name, owners[path].block_copy(path))
+            owner.register_module(name, owners[path][0].block_copy(path))

@@ -175,6 +175,16 @@ def _align(n: int) -> int:
 # ---------------------------------------------------------------------------------------------
 # the handle
 
+def shared_blocks(share: Sequence["SwapHandle"]) -> dict[str, tuple["SwapHandle", _Block]]:
+    """Each block path the handles of `share` swap, with the handle (and its block) whose host copy another
+    replica streams it from: the first handle that swaps it."""
+    found: dict[str, tuple[SwapHandle, _Block]] = {}
+    for h in share:
+        for b in h.blocks:
+            found.setdefault(b.path, (h, b))
+    return found
+
+
 class SwapHandle:
     """Block swap installed on a model; `remove()` puts every tensor back where it was."""
 
@@ -199,10 +209,7 @@ class SwapHandle:
         if freeze:
             for path in paths:
                 model.get_submodule(path).requires_grad_(False)
-        shared: dict[str, _Block] = {}
-        for h in share:                             # (the first handle that swaps a block shares it)
-            for b in h.blocks:
-                shared.setdefault(b.path, b)
+        shared = {path: block for path, (_, block) in shared_blocks(share).items()}
         self.blocks = self._pack(paths, pin and self.cuda, shared)
         self.slot_bytes = _align(max((b.nbytes for b in self.blocks), default=0))
         n_slots = min(slots, len(self.blocks))

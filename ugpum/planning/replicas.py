@@ -52,11 +52,16 @@ def lora_gradient_bytes(spec, w) -> int:
     return sum(b.lora_params(w.rank) for b in spec.blocks) * 4
 
 
-def gradients_sent(plan) -> int:
-    """How many LoRA gradients a replica sends each step: one per micro-batch (kept apart) when it is one stage or
-    runs its micro-batches one after another, else (a pipelined split) the sum of its share."""
+def hands_each(plan) -> bool:
+    """Whether a replica of this plan hands over each micro-batch's LoRA gradient (kept apart: it is one stage,
+    or runs its micro-batches one after another), not its share's sum (a pipelined split)."""
     busy = [s for s in plan.stages if s.blocks[1] > s.blocks[0]]
-    return plan.grad_accum if len(busy) <= 1 or plan.schedule == "sequential" else 1
+    return len(busy) <= 1 or plan.schedule == "sequential"
+
+
+def gradients_sent(plan) -> int:
+    """How many LoRA gradients a replica sends each step (`hands_each`: one per micro-batch, else one)."""
+    return plan.grad_accum if hands_each(plan) else 1
 
 
 def averaging_seconds(spec, w, plans, groups: list[list[Device]]) -> float:

@@ -160,7 +160,7 @@ class TrainConfig:
     #                                       also interleaved-1f1b | zero-bubble (two stages per rank)
     replicas: int = 0                     # copies of the model training a step's micro-batches side by side, LoRA
                                           # gradients averaged each step: 0 the planner chooses (ugpum/planning/
-                                          # layouts.py), 1 one copy (the split), R copies over devices / R GPUs each
+                                          # space.py), 1 one copy (the split), R copies over devices / R GPUs each
     save_every: int = 0                   # a checkpoint (and LoRA) every N steps; 0: by time only
     save_every_minutes: float = 10.0      # ... and whenever this much training time passed since the last
                                           # (0: off); every stop saves as well (Ctrl-C, SIGTERM, Cancel, errors)

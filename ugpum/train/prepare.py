@@ -22,7 +22,6 @@ from ..planning.plan import Plan
 from ..planning.space import best_plan, host_limit
 from ..placement.schedules import DISTRIBUTED_ONLY
 from .config import TrainConfig
-from .lr_schedule import lr_factor  # noqa: F401 (the loop's and the benches' import)
 from .errors import TrainingError
 from ..wording import setting
 from ..compute.lora import attach_lora, lora_targets

@@ -28,6 +28,7 @@ from torch import nn
 from ..placement.pipeline import accumulate
 from ..placement.place import Layout
 from ..planning.plan import Plan
+from ..planning.replicas import hands_each
 from .prepare import make_placed_trainable, place_for_training
 
 
@@ -48,12 +49,6 @@ class Replica:
     @property
     def params(self) -> list[nn.Parameter]:
         return [p for _, a in self.lora.items() for p in (a.A, a.B)]
-
-    @property
-    def hands_each(self) -> bool:
-        """Whether it hands over each micro-batch's gradient (one stage, or micro-batches one after another),
-        not its share's sum (a pipelined split)."""
-        return self.plan.schedule == "sequential" or sum(s.blocks[1] > s.blocks[0] for s in self.plan.stages) <= 1
 
 
 def place_replicas(cfg, spec, plan: Plan, model: nn.Module, key_prefix: str, log) -> list[Replica]:
@@ -121,7 +116,7 @@ class Replicas:
         device = torch.device(replica.layout.first)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        runs = [[k] for k in ks] if replica.hands_each and not is_lead else [ks]
+        runs = [[k] for k in ks] if hands_each(replica.plan) and not is_lead else [ks]
         losses, handed = {}, {}
         for run in runs:
             out = accumulate(lambda k: loss_of(replica, k), run, replica.plan.schedule, replica.layout, replica.model)

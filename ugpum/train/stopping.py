@@ -82,7 +82,12 @@ def request_stop(signum: int) -> None:
     if _saves:
         _saves[-1].append(signum)
         return
-    raise KeyboardInterrupt() if signum == signal.SIGINT else Stopped(signum)
+    raise interruption(signum)
+
+
+def interruption(signum: int) -> KeyboardInterrupt:
+    """The exception a stop by signal `signum` raises: Ctrl-C's own, or `Stopped` for any other."""
+    return KeyboardInterrupt() if signum == signal.SIGINT else Stopped(signum)
 
 
 @contextlib.contextmanager
@@ -102,8 +107,7 @@ def saving(log, at: int, stopping: bool = False):
     finally:
         _saves.remove(held)
     if held and not stopping:
-        why = KeyboardInterrupt() if held[0] == signal.SIGINT else Stopped(held[0])
-        Stop(why, saved=at).throw()          # the save is complete: nothing of it needs doing again
+        Stop(interruption(held[0]), saved=at).throw()      # the save is complete: nothing of it is done again
 
 
 def stopped_note(out, resume: bool = False) -> str:

@@ -28,7 +28,7 @@ import torch
 from safetensors.torch import load_file
 
 from ...formats.atomic import remove_abandoned, write_json_atomic
-from ...formats.disk_space import DiskFull, check_space, refused_write
+from ...formats.disk_space import DiskFull, check_space, raise_refused
 from ...formats.refused import SaveRefused
 from ...formats.safetensors_writer import write_tensors
 from ...formats.finite import NonFinite, is_finite, non_finite, shown
@@ -152,10 +152,7 @@ def save_checkpoint(out: Path, step: int, lora: LoraSet, optimizer: torch.optim.
     except Exception as err:
         shutil.rmtree(tmp, ignore_errors=True)
         named = f"{final.name}/{writing[-1]}" if writing else final.name
-        refused = refused_write(err, root, f"{what} ({named})", needed, kept)
-        if refused is err:
-            raise
-        raise refused from None
+        raise_refused(err, root, f"{what} ({named})", needed, kept)
     try:
         write_json_atomic(root / LATEST, {"step": step, "folder": final.name})
     except OSError:
