@@ -273,13 +273,18 @@ def main(argv=None) -> int:
     p.add_argument("--speed-rows", help="also append issue 23's `impl: ugpum_cli` row (bench/results/speed.json's "
                                         "fields) to this JSON lines file")
     p.add_argument("--call", default="", help="which GPU run the speed row belongs to (the peer's --call)")
-    p.add_argument("--experiment", default="", choices=["", "comfy-attention"],
+    p.add_argument("--experiment", default="", choices=["", "comfy-attention", "gemm-autotune"],
                    help="a what-if, not the product: comfy-attention = attention as ComfyUI would choose it (0.33 asks "
-                        "for flash attention first) instead of ugpum.arch.attention's torch_attention")
+                        "for flash attention first) instead of ugpum.arch.attention's torch_attention; gemm-autotune "
+                        "= inductor's max_autotune_gemm (Triton GEMM templates, the 8-bit matmuls' rescale fused "
+                        "into their epilogue)")
     a = p.parse_args(argv)
     if a.experiment == "comfy-attention":
         import ugpum.arch.attention as attention
         attention.torch_attention = lambda comfy_attention, *args, **kwargs: comfy_attention(*args, **kwargs)
+    if a.experiment == "gemm-autotune":
+        import torch._inductor.config as inductor
+        inductor.max_autotune_gemm = True
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
     config, out = work / "config.toml", work / "run"

@@ -4,7 +4,7 @@
 # ComfyUI, on full-size random-weight files in the real layouts (bench/model_files.py).
 #
 # Here, first, the pack for the sections asked (bench/pack_device.sh's header says what each holds):
-#   SITE=cli bash bench/pack_device.sh      profile judge wan-judge cards wan-cards fit cuda-tests before-after
+#   SITE=cli bash bench/pack_device.sh      profile eight-bit judge wan-judge cards wan-cards fit cuda-tests before-after
 #   bash bench/pack_device.sh               nodes (the ComfyUI server's requirements)
 #   BEFORE=REF SITE=cli bash bench/pack_device.sh      before-after (REF's tree too)
 # Then one device call, carry [".carry/comfyui.tar.xz", ".carry/comfyui075.tar.xz", ".carry/peer_reference.py",
@@ -14,7 +14,9 @@
 #   profile     attention kernels at our shapes (bench/attention_backends.py), then a kernel table by op class
 #               (bench/profile_steps.py) of ours on the newest ComfyUI, of ours as ComfyUI 0.33 would choose
 #               attention, of ours on ComfyUI 0.3.75's classes, of the reference peer (klein 9B, bf16, recompute
-#               all; ours' timeline kept too), then of ours with the fp8 and the int8 base
+#               all; ours' timeline kept too)
+#   eight-bit   kernel tables of ours with the fp8 and the int8 base (recompute all), then both with inductor's
+#               GEMM autotuning (bench/cards.py --experiment gemm-autotune: the rescale in the matmul's epilogue)
 #   judge       the peer, then ours in each base-compute mode and recompute setting (issue 41's rows)
 #   wan-judge   Wan 2.1 14B at 640² x 17 frames: a diffusers + PEFT peer (bench/peer_wan.py), then ours
 #   cards       klein 9B, base compute auto + recompute auto, as the cards people own (CARDS: sizes in GiB,
@@ -23,7 +25,8 @@
 #   fit         what the planner's memory and time model is fitted to (bench/calibration_fit.py reads the rows)
 #   cuda-tests  the tests that run on CUDA when it is there
 #   nodes       the node tests in ComfyUI's default GPU mode (DynamicVRAM, cudaMallocAsync as they come)
-#   before-after  the whole-GPU and 16 GiB klein cases on REF's tree and on this one, alternated
+#   before-after  the whole-GPU and 16 GiB klein cases on REF's tree and on this one; the whole GPU's before
+#               after after before (BA_ORDER): the same tree twice gives the A/A noise
 #   one-process what one process costs driving two replicas: two workers against one on cuda:0
 #               (bench/replicas_one_process.py; the planner assumes 2 % until this is measured)
 #   two-gpu     replicas against the split on two GPUs (bench/two_gpu.py)
@@ -95,8 +98,12 @@ for s in $sections; do
       --recompute all --experiment comfy-attention
     PROFILE=1 case_row prof-ours-075-bf16-all "$COMFYUI_075" $ours --base-compute bf16 --recompute all
     PROFILE=1 peer prof-peer .carry/peer_reference.py --steps 8
-    peer_done=1
-    for m in fp8 int8; do PROFILE=1 case_row prof-ours-$m-all "$COMFYUI_PATH" $ours --base-compute $m --recompute all; done ;;
+    peer_done=1 ;;
+  eight-bit) model_file $k9 flux2-klein-9b
+    for m in fp8 int8; do PROFILE=1 case_row prof-ours-$m-all "$COMFYUI_PATH" $ours --base-compute $m --recompute all; done
+    for m in int8 fp8; do
+      case_row autotune-$m-all "$COMFYUI_PATH" $ours --base-compute $m --recompute all --experiment gemm-autotune
+    done ;;
   judge) model_file $k9 flux2-klein-9b
     [ -n "${peer_done:-}" ] || peer judge-peer .carry/peer_reference.py --steps 8
     for m in bf16 fp8 int8; do case_row judge-$m-all "$COMFYUI_PATH" $ours --base-compute $m --recompute all; done
@@ -133,18 +140,22 @@ for s in $sections; do
       tests/server/test_comfy_nodes.py 2>&1 | tail -15 | tee -a "$log" ;;
   before-after) model_file $k9 flux2-klein-9b
     rm -rf /tmp/before && tar -C /tmp -xJf .carry/before.tar.xz || exit 1
-    for card in whole 16; do
+    n=0
+    for card in whole 16; do             # whole: before, after, after, before (the repeats give the A/A noise)
       cap=$([ "$card" = whole ] || echo "--card-gib $card")
-      for tree in before after; do
+      order=$([ "$card" = whole ] && echo "${BA_ORDER:-before after after before}" || echo "before after")
+      for tree in $order; do
+        n=$((n + 1)); fits "$tree-klein-$card" || continue
         root=$([ $tree = before ] && echo /tmp/before || echo "$PWD")
         step "$tree: klein-$card"
-        (cd "$root" && COMFYUI_PATH=$COMFYUI_PATH timeout "${CASE_S:-150}" python3 bench/cards.py --label "$tree-klein-$card" \
-          --rows "$out/cases.jsonl" --work /tmp/ba_${tree}_$card --dataset "$OLDPWD/demo_datasets/loranne" \
+        (cd "$root" && COMFYUI_PATH=$COMFYUI_PATH timeout "${CASE_S:-150}" python3 bench/cards.py --label "$tree-klein-$card-$n" \
+          --rows "$out/cases.jsonl" --work /tmp/ba_${tree}_${card}_$n --dataset "$OLDPWD/demo_datasets/loranne" \
           --model-file $k9 --steps 12 $cap --recompute auto --choice planner >> "$log" 2>&1)
         echo "rc=$? $tree klein-$card" | tee -a "$log"
       done
     done ;;
-  one-process) model_file /tmp/k9-base.safetensors flux2-klein-base-9b
+  one-process) fits one-process || continue
+    model_file /tmp/k9-base.safetensors flux2-klein-base-9b
     step "one process driving two replicas of klein 9B on cuda:0 against one worker"
     timeout ${CASE_S:-300} python3 bench/replicas_one_process.py --model-file /tmp/k9-base.safetensors --device cuda:0 \
       --rows "$out/replicas_one_process.jsonl" >> "$log" 2>&1
