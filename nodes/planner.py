@@ -5,7 +5,7 @@ from __future__ import annotations
 from comfy_api.latest import io, ui
 
 from ugpum.arch.base import RECOMPUTE_SETTINGS
-from ugpum.compute.modes import EXACT, SETTINGS as BASE_COMPUTE_SETTINGS
+from ugpum.compute.modes import EXACT, QUALITY_BOUND, SETTINGS as BASE_COMPUTE_SETTINGS
 from ugpum.planning.devices import resolve_devices
 from ugpum.compute.dtypes import training_dtype
 from ugpum.planning.forecast import format_plan, plan_for_config
@@ -94,10 +94,12 @@ class PartitionPlanner(io.ComfyNode):
                 io.Combo.Input("base_compute", options=list(BASE_COMPUTE_SETTINGS), default=EXACT.name, optional=True,
                                display_name="base compute",
                                tooltip="Precision of the frozen base weights' matmuls: bf16, or 8-bit (fp8 on "
-                                       "RTX 40/50 and H100/H200, int8 on RTX 30) with 1 byte a weight on the GPUs; "
-                                       "auto keeps bf16 where the model fits without block swap and otherwise "
-                                       "takes the card's 8-bit mode (the report says which and why). The LoRA "
-                                       "trains in full precision either way."),
+                                       "RTX 40/50 and H100/H200, int8 on RTX 30) with 1 byte a weight on the GPUs. "
+                                       "auto takes the fastest forecast among the modes whose LoRA gradients stay "
+                                       "within the quality bound of the exact base (cosine >= "
+                                       f"{QUALITY_BOUND} per block), bf16 on a tie; bf16 asks for the exact base "
+                                       "(the report says which and why). The LoRA trains in full precision "
+                                       "either way."),
                 io.Int.Input("replicas", default=0, min=0, max=64, optional=True,
                              tooltip="Copies of the model side by side, each training its share of a step's "
                                      "micro-batches on its own GPU(s), the LoRA gradients averaged every step. 0: "

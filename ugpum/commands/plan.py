@@ -119,8 +119,9 @@ def run_plan(args) -> int:
         raise UsageError(f"--schedule {cfg.schedule} puts two pipeline stages on each rank of a distributed run: "
                          "add --distributed, or use auto, sequential, gpipe or 1f1b")
     plan = plan_for_config(cfg, devices, spec=spec, bucket=bucket)
-    if args.json:                                       # (the verdict's advice, as everywhere, in plan's flags)
+    if args.json:                       # (the verdict's and the note's advice, as everywhere, in plan's flags)
         print(json.dumps({**plan.to_json(), "verdict": for_cli(plan.verdict, "plan"),
+                          "base_compute_note": for_cli(plan.base_compute_note, "plan"),
                           "recompute_line": recompute_line(plan)}, indent=1))
     else:
         print(for_cli(format_plan(plan), "plan"))

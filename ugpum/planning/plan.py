@@ -8,7 +8,9 @@ from functools import lru_cache
 
 from . import cost
 from ..arch.base import ACT_BYTES, WEIGHT_BYTES, ArchSpec, Workload
-from ..compute.modes import AUTO, EXACT, fastest_mode_for, mode_named, tensor_core_modes
+from ..compute import modes
+from ..compute.modes import (AUTO, EXACT, fastest_mode_for, mode_named, modes_run_by, tensor_core_modes,
+                             within_quality_bound)
 from .devices import Device, gpu_to_gpu_gbps, host_memory, speed_assumed
 from ..placement.schedules import best_schedule, in_flight as held_in_flight
 from ..wording import EngineError, setting
@@ -64,7 +66,8 @@ class Plan:
     in_flight: int = 1                  # micro-batches whose activations a stage holds at once
     base_compute: str = "bf16"          # the frozen base's matmuls this plan was made for (auto resolved)
     base_compute_note: str = ""         # why, when base_compute = auto chose
-    alternatives: list[dict] = field(default_factory=list)   # quantised plans shown when bf16 needs swap
+    # the other modes' plans: those auto weighed, or the quantised ones beside a bf16 plan that swaps
+    alternatives: list[dict] = field(default_factory=list)
     recompute: str = "all"              # the setting this plan was made for (ugpum.arch.base.RECOMPUTE_SETTINGS)
     recompute_saved_s: float = 0.0      # seconds per step the kept activations save against recompute all
     forecast_host_gib: float = 0.0      # the process's peak host memory (pinned swap copies included)
@@ -469,25 +472,42 @@ def _check_tensor_cores(mode: str, devices: list[Device]) -> None:
                         f"{setting('base_compute', EXACT.name)} computes in {EXACT.name}")
 
 
-def devices_mode(devices: list[Device]):
-    """The tensor-core mode every device runs (the first in the modes' order), or None (a CPU among them)."""
-    return fastest_mode_for([d.compute_capability if d.torch_device != "cpu" else None for d in devices])
+def devices_modes(devices: list[Device]) -> tuple:
+    """The tensor-core modes every device runs (none with a CPU among them)."""
+    return modes_run_by([d.compute_capability if d.torch_device != "cpu" else None for d in devices])
 
 
 def auto_summary(devices: list[Device]) -> str:
-    """One line for the Loader: which base compute auto would take on these devices where bf16 needs swap."""
-    mode = devices_mode(devices)
-    if mode is None:
+    """One line for the Loader: what base compute auto weighs on these devices."""
+    runs = devices_modes(devices)
+    weighed = [EXACT.name, *(m.name for m in runs if within_quality_bound(m))]
+    if not runs:
         return f"base compute auto: {EXACT.name} (no tensor cores for {_mode_list()} on these devices)"
-    faster = [m.name for m in tensor_core_modes() if m.order < mode.order]     # (modes these devices lack)
-    lacking = f", no {' or '.join(faster)}" if faster else ""
-    return (f"base compute auto: {EXACT.name} where the model fits without block swap, else {mode.name} "
-            f"({mode.name} tensor cores{lacking})")
+    if len(weighed) == 1:
+        return f"base compute auto: {EXACT.name} ({_only_exact_because(runs)})"
+    return (f"base compute auto: the fastest forecast of {_joined(weighed, 'and')} (the modes these devices run "
+            f"whose LoRA gradients stay within the quality bound: cosine >= {modes.QUALITY_BOUND} against "
+            f"{EXACT.name}'s)")
+
+
+def _only_exact_because(runs) -> str:
+    """Why auto weighs no mode but the exact base on devices that run the tensor-core modes `runs`."""
+    if not runs:
+        return "these devices have no tensor cores for a quantised base: " + ", ".join(
+            f"{m.name} needs {m.needs}" for m in tensor_core_modes())
+    measured = ", ".join(f"{m.name} {m.gradient_cosine if m.gradient_cosine is not None else 'not measured'}"
+                         for m in runs)
+    return (f"no mode these devices run stays within the quality bound, LoRA gradients vs the {EXACT.name} base: "
+            f"cosine >= {modes.QUALITY_BOUND} per block ({measured})")
+
+
+def _joined(names: list[str], word: str) -> str:
+    """'a, b and c' (`word`: and, or)."""
+    return f" {word} ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
 
 
 def _mode_list() -> str:
-    names = [m.name for m in tensor_core_modes()]
-    return " or ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
+    return _joined([m.name for m in tensor_core_modes()], "or")
 
 
 def workload_in_mode(w: Workload, mode: str) -> Workload:
@@ -495,73 +515,75 @@ def workload_in_mode(w: Workload, mode: str) -> Workload:
     return dataclasses.replace(w, base_compute=mode, held_dtype=mode_named(mode).held_dtype or w.held_dtype)
 
 
-def _quantised_alternatives(spec, devices, w, grad_accum, schedule, split) -> list[dict]:
-    """The quantised plans the devices can run, as rows: mode, memory, s/step, blocks swapped, quality."""
-    runs = [d.compute_capability if d.torch_device != "cpu" else None for d in devices]
-    rows = []
-    for mode in tensor_core_modes():
-        if not all(mode.runs_on(c) for c in runs):
-            continue
+def _planned_in(candidates, spec, devices, w, grad_accum, schedule, split) -> dict:
+    """{mode: (layout, schedule, in flight)} for each of the `candidates` modes that fits the devices."""
+    planned = {}
+    for mode in candidates:
         try:
-            alt, _, _ = _scheduled(spec, devices, workload_in_mode(w, mode.name), grad_accum, schedule, split)
+            planned[mode] = _scheduled(spec, devices, workload_in_mode(w, mode.name), grad_accum, schedule, split)
         except PlanError:
-            continue
-        rows.append({"base_compute": mode.name, "forecast_gib": max(s.forecast_gib for s in alt.stages),
-                     "predicted_step_s": alt.predicted_step_s, "swapped_blocks": len(alt.offloaded_blocks),
-                     "swap_bytes_per_step": alt.swap_bytes_per_step, "quality": mode.quality})
-    return rows
+            pass
+    return planned
+
+
+def _alternative(mode, layout: Layout) -> dict:
+    """A mode's plan as a row of `Plan.alternatives`: mode, memory, s/step, blocks swapped, quality."""
+    return {"base_compute": mode.name, "forecast_gib": max(s.forecast_gib for s in layout.stages),
+            "predicted_step_s": layout.predicted_step_s, "swapped_blocks": len(layout.offloaded_blocks),
+            "swap_bytes_per_step": layout.swap_bytes_per_step, "quality": mode.quality}
+
+
+def _quantised_alternatives(spec, devices, w, grad_accum, schedule, split) -> list[dict]:
+    """The quantised plans the devices can run, as rows."""
+    planned = _planned_in(devices_modes(devices), spec, devices, w, grad_accum, schedule, split)
+    return [_alternative(mode, layout) for mode, (layout, _, _) in planned.items()]
 
 
 def choose_base_compute(spec: ArchSpec, devices: list[Device], w: Workload, grad_accum: int = 1,
                         schedule: str = "auto", split: list[int] | None = None, listed: bool = True) -> Plan:
-    """base_compute = auto: the exact base (bf16) wherever it fits without block swap; otherwise the first
-    tensor-core mode every device runs (fp8 from Ada/Hopper on, int8 on Ampere), which holds and streams
-    half the bytes, unless the forecast says it would be slower. The plan says which and why."""
-    exact = EXACT.name
-    w16 = dataclasses.replace(w, base_compute=exact)
+    """base_compute = auto: the fastest forecast among the exact base (bf16) and each tensor-core mode every
+    device runs whose LoRA gradients stay within the quality bound of the exact base's
+    (`modes.within_quality_bound`); the exact base on a tie. The plan says in one line which and why, and
+    lists the others that fit (`Plan.alternatives`; not when `listed` is False)."""
+    w16 = workload_in_mode(w, EXACT.name)
     try:
-        exact_layout, error = _scheduled(spec, devices, w16, grad_accum, schedule, split), None
+        planned, exact_error = {EXACT: _scheduled(spec, devices, w16, grad_accum, schedule, split)}, None
     except PlanError as err:
-        exact_layout, error = None, err
+        planned, exact_error = {}, err
+    runs = devices_modes(devices)
+    planned |= _planned_in([m for m in runs if within_quality_bound(m)], spec, devices, w, grad_accum, schedule, split)
+    if not planned:
+        raise exact_error
+    # (the exact base is planned first, so min keeps it on a tie)
+    fastest = min(planned, key=lambda mode: planned[mode][0].predicted_step_s)
+    layout, chosen, held = planned[fastest]
+    others = [_alternative(mode, planned[mode][0]) for mode in planned if mode is not fastest] if listed else []
+    return _plan(spec, devices, workload_in_mode(w, fastest.name), grad_accum, layout, chosen, held,
+                 "base compute auto: " + _auto_reason(fastest, planned, runs), others)
 
-    def exact_plan(why: str) -> Plan:
-        layout, chosen, held = exact_layout
-        return _plan(spec, devices, w16, grad_accum, layout, chosen, held, f"base compute auto: {exact} ({why})",
-                     _alternatives_to(w16, layout, spec, devices, grad_accum, schedule, split, listed))
-    if exact_layout is not None and not exact_layout[0].offloaded_blocks:
-        return exact_plan("the model fits without block swap")
-    chosen_mode = devices_mode(devices)
-    mode = chosen_mode.name if chosen_mode else None
-    quantised = None
-    if mode is not None:
-        try:
-            quantised = _scheduled(spec, devices, workload_in_mode(w, mode), grad_accum, schedule, split)
-        except PlanError:
-            pass
-    if quantised is None:
-        if error is not None:
-            raise error
-        return exact_plan(f"{mode} does not fit either" if mode else "these devices have no tensor cores for a "
-                          "quantised base: " + ", ".join(f"{m.name} needs {m.needs}" for m in tensor_core_modes()))
-    layout8, chosen8, held8 = quantised
-    if exact_layout is None:
-        return _plan(spec, devices, workload_in_mode(w, mode), grad_accum, layout8, chosen8, held8,
-                     f"base compute auto: {mode} ({exact} does not fit even with block swap; {mode} holds the base "
-                     f"at 1 byte a weight; {chosen_mode.quality})")
-    layout16 = exact_layout[0]
-    swaps8 = f"swaps {len(layout8.offloaded_blocks)} blocks" if layout8.offloaded_blocks else "fits without swap"
-    compared = (f"{exact} would swap {len(layout16.offloaded_blocks)} blocks at {layout16.predicted_step_s:.2f} "
-                f"s/step, {mode} {swaps8} at {layout8.predicted_step_s:.2f} s/step")
-    if layout8.predicted_step_s > layout16.predicted_step_s:
-        return exact_plan(f"{compared}: {exact} is faster")
-    others = [a for a in _alternatives_to(w16, layout16, spec, devices, grad_accum, schedule, split, listed)
-              if a["base_compute"] != mode]
-    return _plan(spec, devices, workload_in_mode(w, mode), grad_accum, layout8, chosen8, held8,
-                 f"base compute auto: {mode} ({compared}; {chosen_mode.quality})", others)
+
+def _auto_reason(fastest, planned: dict, runs) -> str:
+    """Auto's choice in words: the mode, and why (its forecast against the exact base's)."""
+    step = {mode: layout.predicted_step_s for mode, (layout, _, _) in planned.items()}
+    exact = EXACT.name
+    if EXACT not in planned:
+        return (f"{fastest.name} ({exact} does not fit even with block swap; {fastest.name} forecasts "
+                f"{step[fastest]:.2f} s/step, the fastest that fits; {fastest.quality})")
+    if fastest is not EXACT:
+        return (f"{fastest.name}, forecast {1 - step[fastest] / step[EXACT]:.0%} faster than {exact} "
+                f"({step[fastest]:.2f} against {step[EXACT]:.2f} s/step; {fastest.quality}); "
+                f"{setting('base_compute', exact)} trains on the exact base")
+    weighed = [mode for mode in runs if within_quality_bound(mode)]
+    if not weighed:
+        return f"{exact} ({_only_exact_because(runs)})"
+    if len(planned) == 1:
+        return f"{exact} ({_joined([m.name for m in weighed], 'and')} {'does' if len(weighed) == 1 else 'do'} not fit)"
+    slower = _joined([f"{mode.name}'s {step[mode]:.2f}" for mode in planned if mode is not EXACT], "and")
+    return f"{exact}, the fastest forecast ({step[EXACT]:.2f} s/step against {slower})"
 
 
 def alternatives_text(plan: Plan) -> list[str]:
-    """Lines for the plan's text: why auto chose, and the quantised plans beside a bf16 plan with swap."""
+    """Lines for the plan's text: why auto chose, and the other modes' plans (`Plan.alternatives`)."""
     lines = [plan.base_compute_note] if plan.base_compute_note else []
     for a in plan.alternatives:
         swap = f"{a['swapped_blocks']} blocks swapped" if a["swapped_blocks"] else "no swap"

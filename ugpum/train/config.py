@@ -173,7 +173,8 @@ class TrainConfig:
     stand_in_encoders: bool = False       # fixed random encoders instead of a VAE/text encoder
                                           # (tiny models, benchmarks on random weights)
     compile: str = "auto"                 # compiled blocks (ugpum/compute/compile.py): auto (CUDA with Triton) | on | off
-    base_compute: str = "bf16"            # the frozen base's matmuls: auto | bf16 | fp8 | int8 (ugpum/compute/modes/)
+    base_compute: str = "bf16"            # the frozen base's matmuls: auto | bf16 | fp8 | int8 (ugpum/compute/modes/);
+                                          # auto: the fastest forecast within the modes' quality bound, bf16 on a tie
 
     def validate(self) -> "TrainConfig":
         """Every setting's type, then its range (against the model where it matters), as one sentence

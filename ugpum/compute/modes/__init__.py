@@ -11,6 +11,9 @@ import pkgutil
 from .mode import ComputeMode
 
 AUTO = "auto"               # the setting that lets the planner choose (ugpum.planning.plan.choose_base_compute)
+# The least per-block cosine between a mode's LoRA gradients and the exact base's that auto accepts: it takes
+# the fastest forecast among the exact base and the modes that reach it (`within_quality_bound`).
+QUALITY_BOUND = 0.998
 
 
 def _find_modes() -> tuple[ComputeMode, ...]:
@@ -22,7 +25,7 @@ def _find_modes() -> tuple[ComputeMode, ...]:
 MODES = _find_modes()
 NAMES = tuple(mode.name for mode in MODES)
 SETTINGS = (AUTO,) + NAMES
-EXACT = next(mode for mode in MODES if not mode.quantises)      # the base as loaded: what auto keeps where it fits
+EXACT = next(mode for mode in MODES if not mode.quantises)      # the base as loaded: what auto keeps on a tie
 _BY_NAME = {mode.name: mode for mode in MODES}
 
 
@@ -42,16 +45,27 @@ def held_dtype(setting: str, weight_dtype: str) -> str:
 
 
 def tensor_core_modes() -> tuple[ComputeMode, ...]:
-    """The quantising modes with tensor-core kernels: those base_compute = auto may choose, in its order."""
+    """The quantising modes with tensor-core kernels: those base_compute = auto may weigh, in their order."""
     return tuple(mode for mode in MODES if mode.quantises and mode.min_capability is not None)
 
 
+def modes_run_by(capabilities: list[tuple[int, int] | None]) -> tuple[ComputeMode, ...]:
+    """The tensor-core modes every one of these devices runs (None in the list: a device without CUDA tensor
+    cores, such as the CPU), in their order; none for no devices."""
+    return tuple(mode for mode in tensor_core_modes() if capabilities and all(mode.runs_on(c) for c in capabilities))
+
+
 def fastest_mode_for(capabilities: list[tuple[int, int] | None]) -> ComputeMode | None:
-    """The first tensor-core mode every one of these devices runs (None in the list: a device without CUDA
-    tensor cores, such as the CPU), or None when there is none."""
-    runs = [mode for mode in tensor_core_modes() if all(mode.runs_on(c) for c in capabilities)]
-    return runs[0] if runs and capabilities else None
+    """The first tensor-core mode every one of these devices runs, or None when there is none."""
+    runs = modes_run_by(capabilities)
+    return runs[0] if runs else None
 
 
-__all__ = ["AUTO", "EXACT", "MODES", "NAMES", "SETTINGS", "ComputeMode", "fastest_mode_for", "held_dtype",
-           "mode_named", "tensor_core_modes"]
+def within_quality_bound(mode: ComputeMode) -> bool:
+    """Whether base_compute = auto may take `mode`: the exact base, or a mode whose recorded gradient cosine
+    reaches QUALITY_BOUND (one never measured does not)."""
+    return not mode.quantises or (mode.gradient_cosine is not None and mode.gradient_cosine >= QUALITY_BOUND)
+
+
+__all__ = ["AUTO", "EXACT", "MODES", "NAMES", "QUALITY_BOUND", "SETTINGS", "ComputeMode", "fastest_mode_for",
+           "held_dtype", "mode_named", "modes_run_by", "tensor_core_modes", "within_quality_bound"]

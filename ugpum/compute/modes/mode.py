@@ -15,20 +15,31 @@ class ComputeMode:
     - Its memory per weight: `held_dtype`, the weight dtype whose bytes a base weight takes on the GPUs.
     - Its speed factors: `dense_speed`, the base's dense matmuls as a multiple of their bf16 speed,
       measured for compiled and eager blocks (the planner's cost model reads them).
-    - Its quality note: `quality`, what a check against the exact base measured (shown beside its plans).
+    - Its quality: `gradient_cosine`, the per-block cosine of the LoRA gradients it gives against the exact
+      base's, as measured (None: never measured, and base_compute = auto never takes it); `quality` words it
+      beside its plans.
     """
     name: str = ""
-    order: int = 0                      # its place in every list of modes; base_compute = auto prefers the first
+    order: int = 0                      # its place in every list of modes (auto keeps the first on a tie)
     quantises: bool = True
     held_dtype: str | None = None       # None: the base is held as the run's weight dtype holds it
     dense_speed: dict[str, float] = {"compiled": 1.0, "eager": 1.0}
-    quality: str = ""
+    gradient_cosine: float | None = None
     # The CUDA compute capability its kernels need, or None: it runs on any device. base_compute = auto
-    # chooses only modes with tensor-core kernels (a capability), for their speed.
+    # weighs only modes with tensor-core kernels (a capability), for their speed.
     min_capability: tuple[int, int] | None = None
     needs: str = ""                     # that capability in words, for refusals
     qmax: float = 1.0                   # the largest magnitude of its quantised grid
     min_rows: int = 0                   # the fewest rows its matmul kernel takes (fewer are padded with zeros)
+
+    @property
+    def quality(self) -> str:
+        """Its quality in words, shown beside its plans."""
+        if not self.quantises:
+            return "the exact base"
+        if self.gradient_cosine is None:
+            return "LoRA gradients vs the bf16 base: not measured"
+        return f"LoRA gradients vs the bf16 base: cosine {self.gradient_cosine:g} per block"
 
     def runs_on(self, capability: tuple[int, int] | None) -> bool:
         """Whether a device of this compute capability (None: no CUDA GPU) runs its kernels."""
