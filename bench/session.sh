@@ -142,7 +142,8 @@ for s in $sections; do
     rm -rf /tmp/before && tar -C /tmp -xJf .carry/before.tar.xz || exit 1
     n=0
     for card in whole 16; do             # whole: before, after, after, before (the repeats give the A/A noise)
-      cap=$([ "$card" = whole ] || echo "--card-gib $card")
+      # the base compute both trees' auto took (auto weighs every mode since issue 38): the same plans
+      cap=$([ "$card" = whole ] && echo "--base-compute bf16" || echo "--card-gib $card --base-compute fp8")
       order=$([ "$card" = whole ] && echo "${BA_ORDER:-before after after before}" || echo "before after")
       for tree in $order; do
         n=$((n + 1)); fits "$tree-klein-$card" || continue
