@@ -71,3 +71,14 @@ def test_plan_prints_the_choice_in_one_line():
     assert len(note) == 1 and note[0].startswith("base compute auto: fp8, forecast ")
     assert note[0].endswith("; --base-compute bf16 trains on the exact base")
     assert "with base compute bf16:" in done.stdout and "with base compute int8:" in done.stdout
+
+
+def test_a_quantised_plan_says_where_its_speed_ratio_was_measured():
+    """Issue 41 item 5: a card the mode's speed was not measured on is forecast with the measured ratio, and the
+    plan's assumed: lines say which ratio, where it was measured, and that this card was not."""
+    int8 = modes.mode_named("int8")
+    said = planned("rtx3090", "int8").assumed
+    assert (f"base compute int8: compiled dense matmuls at {int8.dense_speed['compiled']:g}x their bf16 speed, as "
+            f"measured on an {int8.speed_measured_on['compiled']}; taken as it is for rtx3090 (not measured there)"
+            in said)
+    assert not any(line.startswith("base compute") for line in planned("rtx3090", "bf16").assumed)

@@ -50,6 +50,19 @@ def dense_speed(w: Workload) -> float:
     return mode_named(w.base_compute).dense_speed[_compiled(w)]
 
 
+def dense_speed_assumed(w: Workload, labels: list[str]) -> str:
+    """The speed ratio a quantised base's forecast takes and where it was measured, in words, naming the
+    devices (by `labels`) it was not measured on ("" for the exact base)."""
+    mode, kind = mode_named(w.base_compute), _compiled(w)
+    if not mode.quantises:
+        return ""
+    measured_on = mode.speed_measured_on.get(kind, "")
+    elsewhere = [label for label in labels if not measured_on or measured_on.lower() not in label.lower()]
+    taken = f"; taken as it is for {', '.join(elsewhere)} (not measured there)" if elsewhere else ""
+    return (f"base compute {mode.name}: {kind} dense matmuls at {mode.dense_speed[kind]:g}x their bf16 speed, "
+            f"as measured on {'an ' + measured_on if measured_on else 'no GPU yet'}{taken}")
+
+
 def block_flops_split(spec: ArchSpec, block: BlockSpec, w: Workload) -> tuple[float, float]:
     """(dense, attention) forward FLOPs of one block."""
     attention = spec.attention_flops(w) * w.batch

@@ -431,8 +431,14 @@ def _plan(spec, devices, w, grad_accum, layout: Layout, schedule: str, in_flight
     return Plan(model=spec.id, workload=workload, grad_accum=grad_accum, **layout.fields(), swap_forecast=swap,
                 verdict=said, block_paths=[b.path for b in spec.blocks], schedule=schedule, in_flight=in_flight,
                 base_compute=w.base_compute, base_compute_note=note, alternatives=alternatives or [],
-                recompute=w.recompute, assumed=[f"{d.label}: {memory_assumed(d)}; {speed_assumed(d)}"
-                                                for d in devices if d.torch_device != "cpu"])
+                recompute=w.recompute, assumed=_assumed(w, devices))
+
+
+def _assumed(w: Workload, devices: list[Device]) -> list[str]:
+    """What the forecast takes for each GPU, and for the base's compute mode."""
+    gpus = [d for d in devices if d.torch_device != "cpu"]
+    mode_line = cost.dense_speed_assumed(w, [d.label for d in gpus])
+    return [f"{d.label}: {memory_assumed(d)}; {speed_assumed(d)}" for d in gpus] + ([mode_line] if mode_line else [])
 
 
 def plan_training(spec: ArchSpec, devices: list[Device], w: Workload, grad_accum: int = 1,
