@@ -33,6 +33,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+# The allocator reads its settings when CUDA first allocates, which cap_card's memory cap does before ugpum's main
+# would set them: set here, as `python -m ugpum train` has them (the capped rows recorded before 2026-12-07's
+# second session ran without them: bench/results/README.md)
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 import torch  # noqa: E402
 
 GIB = 1024 ** 3

@@ -39,6 +39,8 @@ out=${1:?output folder}; shift
 sections=${*:-profile}
 mkdir -p "$out" /tmp/prof
 export PYTHONUNBUFFERED=1
+# the allocator's settings `python -m ugpum train` runs with, also for REF's tree (its cards.py capped the card first)
+export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 log=$out/session.log
 step() { echo "=== $* ($(date +%T))" | tee -a "$log"; }
 step "unpack ComfyUI and its requirements"
