@@ -15,9 +15,10 @@
 #               (bench/profile_steps.py) of ours on the newest ComfyUI, of ours as ComfyUI 0.33 would choose
 #               attention, of ours on ComfyUI 0.3.75's classes, of the reference peer (klein 9B, bf16, recompute
 #               all; ours' timeline kept too)
-#   eight-bit   kernel tables of ours with the fp8 and the int8 base (recompute all), then both with inductor's
-#               GEMM autotuning (bench/cards.py --experiment gemm-autotune: the rescale in the matmul's epilogue)
-#   judge       the peer, then ours in each base-compute mode and recompute setting (issue 41's rows)
+#   eight-bit   ours with the int8 and the fp8 base (recompute all) under inductor's GEMM autotuning
+#               (bench/cards.py --experiment gemm-autotune: the rescale in the matmul's epilogue)
+#   judge       the peer, then ours in each base-compute mode and recompute setting (issue 41's rows; the
+#               8-bit modes' kernel tables kept)
 #   wan-judge   Wan 2.1 14B at 640² x 17 frames: a diffusers + PEFT peer (bench/peer_wan.py), then ours
 #   cards       klein 9B, base compute auto + recompute auto, as the cards people own (CARDS: sizes in GiB,
 #               `whole`, or CARD:VARIANT neighbours of the planner's pick: kept+2 swapped-2 ...)
@@ -102,13 +103,14 @@ for s in $sections; do
     PROFILE=1 peer prof-peer .carry/peer_reference.py --steps 8
     peer_done=1 ;;
   eight-bit) model_file $k9 flux2-klein-9b
-    for m in fp8 int8; do PROFILE=1 case_row prof-ours-$m-all "$COMFYUI_PATH" $ours --base-compute $m --recompute all; done
     for m in int8 fp8; do
       case_row autotune-$m-all "$COMFYUI_PATH" $ours --base-compute $m --recompute all --experiment gemm-autotune
     done ;;
   judge) model_file $k9 flux2-klein-9b
     [ -n "${peer_done:-}" ] || peer judge-peer .carry/peer_reference.py --steps 8
-    for m in bf16 fp8 int8; do case_row judge-$m-all "$COMFYUI_PATH" $ours --base-compute $m --recompute all; done
+    case_row judge-bf16-all "$COMFYUI_PATH" $ours --base-compute bf16 --recompute all
+    # (the 8-bit rows' kernel tables too: their median step is of 8, two of them profiled)
+    for m in fp8 int8; do PROFILE=1 case_row judge-$m-all "$COMFYUI_PATH" $ours --base-compute $m --recompute all; done
     for m in bf16 fp8; do case_row judge-$m-auto "$COMFYUI_PATH" $ours --base-compute $m --recompute auto; done
     case_row judge-bf16-auto-24 "$COMFYUI_PATH" $ours --base-compute bf16 --recompute auto --card-gib 24 ;;
   wan-judge) model_file $w14 wan2.1-14b
