@@ -132,7 +132,7 @@ def test_the_command_line_trains_replicas(tmp_path):
 
 def test_the_one_process_cost_bench_runs_on_the_cpu(tmp_path):
     """bench/replicas_one_process.py's whole path with the tiny model: both cases through the engine's replicas,
-    and the estimate row the planner's ONE_PROCESS_LOSS stands for."""
+    and the row of what two workers in one process add against one."""
     from support.bench_run import run_bench
     rows = tmp_path / "rows.jsonl"
     done = run_bench("replicas_one_process", ["--profile", "tiny-flux2", "--device", "cpu", "--steps", "2",
@@ -142,5 +142,6 @@ def test_the_one_process_cost_bench_runs_on_the_cpu(tmp_path):
     assert (one["replicas"], two["replicas"]) == (1, 2) and one["micro_batches"] == two["micro_batches"] == 2
     assert all(r["s_per_step"] > 0 and r["cpu_s_per_step"] > 0 and len(r["step_times"]) == 2 for r in (one, two))
     assert one["kernel_launches"] is None                       # (counted on a GPU only)
-    assert estimate["estimate"] == "one_process_loss_two_cards" and estimate["value"] >= 0
-    assert "one process on two cards loses about" in done.stdout
+    assert estimate["estimate"] == "one_process_loss_one_device"
+    assert estimate["value"] == max(0.0, two["s_per_step"] / one["s_per_step"] - 1)
+    assert f"two workers in one process add {estimate['value']:.1%}" in done.stdout

@@ -25,7 +25,10 @@ MIB = 1024 ** 2
 # rate (25 GB/s for PCIe 4 x16), so two of them meet this limit.
 HOST_MEMORY_GBPS = 40.0
 # The share of each step one process loses driving two GPUs instead of one (Python, the GIL, the kernel launch
-# queues): assumed until bench/replicas_one_process.py measures it on a GPU, and taken for any number of GPUs.
+# queues), taken for any number of GPUs. Two worker threads driving two replicas of klein 9B on one H100 lost
+# nothing against one worker (0.745 against 0.747 s for the same two micro-batches, bench/replicas_one_process.py,
+# bench/results/README.md); on two cards, where the host must keep two GPUs fed, it is assumed until
+# bench/two_gpu.py runs on a machine of two.
 ONE_PROCESS_LOSS = 0.02
 ONE_PROCESS_LIMIT = 0.05          # above it, the replicas run as processes
 
@@ -120,6 +123,7 @@ def assumed(spec, w, plans, groups: list[list[Device]], how: str) -> list[str]:
     if swapping > 1:
         lines.append(f"host memory read at {HOST_MEMORY_GBPS:g} GB/s by the {swapping} replicas that swap, "
                      f"{HOST_MEMORY_GBPS / swapping:g} GB/s each (dual-channel DDR4's; not measured)")
-    lines.append(f"replicas in {how}: one process driving two GPUs loses {ONE_PROCESS_LOSS:.0%} of a step (not "
-                 f"measured yet: bench/replicas_one_process.py); above {ONE_PROCESS_LIMIT:.0%} they run as processes")
+    lines.append(f"replicas in {how}: one process driving two GPUs loses {ONE_PROCESS_LOSS:.0%} of a step (two "
+                 f"workers on one H100 lost nothing; two GPUs not measured); above {ONE_PROCESS_LIMIT:.0%} they run "
+                 f"as processes")
     return lines
