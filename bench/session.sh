@@ -31,6 +31,8 @@
 #   one-process what one process costs driving two replicas: two workers against one on cuda:0
 #               (bench/replicas_one_process.py; the planner assumes 2 % until this is measured)
 #   two-gpu     replicas against the split on two GPUs (bench/two_gpu.py)
+#   cosine      each 8-bit mode's per-block LoRA gradient cosine against the bf16 base, klein 9B's first, middle
+#               and last block (bench/gradient_cosine.py, OUT/gradient_cosine.jsonl; the modes' gradient_cosine)
 # Each case is its own process and appends its row as it ends (OUT/cases.jsonl: bench/cards.py's rows,
 # OUT/speed.jsonl: speed rows beside the peers'), so a call cut short keeps what it measured; a case that would
 # not end inside the call (BUDGET_S, default 570 s) is skipped and says so. OUT/session.log has the output, the
@@ -170,6 +172,12 @@ for s in $sections; do
     timeout ${TWO_GPU_S:-500} python3 bench/two_gpu.py --model-file /tmp/k9-base.safetensors --devices cuda:0,cuda:1 \
       --grad-accum 2,4,8 --rows "$out/two_gpu.jsonl" --work /tmp/two_gpu >> "$log" 2>&1
     echo "rc=$? two-gpu" | tee -a "$log" ;;
+  cosine) fits cosine || continue
+    model_file $k9 flux2-klein-9b
+    step "LoRA gradient cosine of each 8-bit mode against bf16, klein 9B's first, middle and last block"
+    timeout ${CASE_S:-300} python3 bench/gradient_cosine.py --model-file $k9 --device cuda:0 \
+      --rows "$out/gradient_cosine.jsonl" >> "$log" 2>&1
+    echo "rc=$? cosine" | tee -a "$log" ;;
   *) echo "unknown section $s" | tee -a "$log" ;;
   esac
 done
