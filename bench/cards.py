@@ -39,6 +39,8 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 import torch  # noqa: E402
 
+from ugpum.formats.atomic import append_line  # noqa: E402
+
 GIB = 1024 ** 3
 
 
@@ -311,13 +313,11 @@ def main(argv=None) -> int:
                cli=" ".join(["python -m ugpum", *argv_train]),
                gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
                torch=torch.__version__, **comfyui_used())
-    with open(a.rows, "a") as f:
-        f.write(json.dumps(row) + "\n")
+    append_line(a.rows, json.dumps(row))
     print(json.dumps(row))
     if a.speed_rows:
         speed = speed_row(a, row, plans[-1] if plans else None)
-        with open(a.speed_rows, "a") as f:
-            f.write(json.dumps(speed) + "\n")
+        append_line(a.speed_rows, json.dumps(speed))
         print(json.dumps(speed))
     return rc
 

@@ -28,6 +28,7 @@ from ugpum.arch import get_spec, recognise  # noqa: E402
 from ugpum.compute.base_compute import supports, use_base_compute  # noqa: E402
 from ugpum.compute.dtypes import TORCH_DTYPES, bf16_autocast  # noqa: E402
 from ugpum.compute.modes import EXACT, MODES  # noqa: E402
+from ugpum.formats.atomic import append_line  # noqa: E402
 from ugpum.train.config import load_config  # noqa: E402
 from ugpum.train.encoders import StandInEncoders  # noqa: E402
 from ugpum.train.objective import micro_loss  # noqa: E402
@@ -109,11 +110,10 @@ def main(argv=None) -> int:
     with comfy_bridge.comfy_training_mode():
         rows = measure(a)
     Path(a.rows).parent.mkdir(parents=True, exist_ok=True)
-    with open(a.rows, "a", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-            print(f"{row['block']} {row['mode']}{' (emulated)' if row['emulated'] else ''}: cosine vs bf16 "
-                  f"{row['cosine_vs_bf16']:.6f}, relative norm error {row['rel_norm_error']:.5f}", flush=True)
+    for row in rows:
+        append_line(a.rows, json.dumps(row))
+        print(f"{row['block']} {row['mode']}{' (emulated)' if row['emulated'] else ''}: cosine vs bf16 "
+              f"{row['cosine_vs_bf16']:.6f}, relative norm error {row['rel_norm_error']:.5f}", flush=True)
     return 0
 
 

@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT))
 import comfy_bridge  # noqa: E402
 from ugpum.arch import get_spec, recognise  # noqa: E402
 from ugpum.compute.dtypes import TORCH_DTYPES  # noqa: E402
+from ugpum.formats.atomic import append_line  # noqa: E402
 from ugpum.planning.devices import parse_device_specs  # noqa: E402
 from ugpum.planning.space import best_plan  # noqa: E402
 from ugpum.train.config import load_config  # noqa: E402
@@ -107,9 +108,8 @@ def main(argv=None) -> int:
                 "from": "two workers' step / one worker's step - 1, the same micro-batches",
                 "when": time.strftime("%Y-%m-%d %H:%M")}
     Path(a.rows).parent.mkdir(parents=True, exist_ok=True)
-    with open(a.rows, "a", encoding="utf-8") as f:
-        for row in (one, two, estimate):
-            f.write(json.dumps(row) + "\n")
+    for row in (one, two, estimate):
+        append_line(a.rows, json.dumps(row))
     print(f"one worker {one['s_per_step']:.3f} s/step, two workers {two['s_per_step']:.3f} s/step; two workers "
           f"in one process add {loss:.1%}", flush=True)
     return 0

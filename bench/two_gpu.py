@@ -24,6 +24,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from ugpum.formats.atomic import append_line  # noqa: E402
+
 LAYOUTS = {"split": 1, "replicas": 2}
 
 
@@ -97,9 +100,8 @@ def main(argv=None) -> int:
     stamp = time.strftime("%Y-%m-%d %H:%M")
     for m in a.grad_accum:
         runs = {layout: measured(a, train(a, m, layout), m, layout) for layout in LAYOUTS}
-        with open(a.rows, "a", encoding="utf-8") as f:
-            for row in (*runs.values(), compared(runs["split"], runs["replicas"])):
-                f.write(json.dumps({**row, "when": stamp}) + "\n")
+        for row in (*runs.values(), compared(runs["split"], runs["replicas"])):
+            append_line(a.rows, json.dumps({**row, "when": stamp}))
         print(f"grad-accum {m}: split {runs['split']['s_per_step']:.3f} s/step, replicas "
               f"{runs['replicas']['s_per_step']:.3f} s/step", flush=True)
     return 0
