@@ -19,10 +19,12 @@ buckets really had):
 - recompute_work / keep_work: the step's peak allocated less everything counted (weights, swap slots, LoRA
   state, shared inputs, every block's kept bytes as measured), in rows where some block is recomputed / none
   is: the working memory of the backward at the peak;
-- allocator: peak reserved less peak allocated, the largest of the family's rows.
-Time: the bf16 efficiency of compiled and eager blocks against the device's measured matmul rate (the row's
-device_tflops), the compiled 8-bit dense speeds, and a factor per family, each solved from the rows that
-alone determine it (no swap in them), in that order.
+- allocator: peak reserved less peak allocated, the largest of the family's rows on capped cards.
+Time: the coefficients of ugpum.planning.cost.block_seconds against the device's measured matmul rate (the
+row's device_tflops): the dense matmuls' share of it in compiled and eager blocks, attention's, the width at
+which the memory-bound work around the matmuls costs as much as they do, each 8-bit mode's forward and backward
+dense speeds, and a factor per family but FLUX.2's, solved together over every row (swap included, as the
+planner forecasts it) by bounded least squares on the relative errors (`TIME_COEFFICIENTS`).
 """
 from __future__ import annotations
 
@@ -86,23 +88,30 @@ def work_units(rows: list[dict]) -> dict:
 
 
 def allocator_units(rows: list[dict]) -> dict:
+    """family -> the allocator's slack where memory is tight: the largest of the family's rows on a capped card
+    (all its rows if none is). With room to spare the caching allocator keeps more (Wan on the whole H100: 17
+    hidden states, on 16 and 24 GiB cards 8-9), which costs a plan nothing."""
     found: dict = {}
+    capped = {get_spec(row["model"]).family for row in rows if row.get("card_gib")}
     for row in rows:
         spec, w = get_spec(row["model"]), workload(row)
+        if spec.family in capped and not row.get("card_gib"):
+            continue
         slack = (row["peak_reserved_gib"] - row["peak_gib"]) * GIB / measured_unit(row, spec, w)
         found.setdefault(spec.family, []).append(slack)
     return {family: round(max(v), 2) for family, v in found.items()}
 
 
 def host_table(rows: list[dict]) -> dict:
-    """family -> GiB the process held at its peak beyond the pinned copies of its swapped blocks (the
-    largest of the family's rows)."""
+    """family -> GiB the process held at its peak beyond the pinned copies of its swapped blocks: the median
+    of the family's rows (klein 9B's alone spread 2.07-2.55 GiB over modes and recompute settings, and one
+    Wan run on a 16 GiB card held 1.1 GiB more than its others: the middle holds every row nearest)."""
     found: dict = {}
     for row in rows:
         spec, w = get_spec(row["model"]), workload(row)
         pinned = sum(cost.block_weight_bytes(spec.blocks[i], w) for i in row["offloaded_blocks"])
         found.setdefault(spec.family, []).append(row["host_peak_gib"] - pinned / GIB)
-    return {family: round(max(v), 2) for family, v in found.items()}
+    return {family: round(statistics.median(v), 2) for family, v in found.items()}
 
 
 def memory_table(rows: list[dict]) -> dict:
@@ -133,45 +142,47 @@ def memory_table(rows: list[dict]) -> dict:
     return table
 
 
-def flops(row: dict) -> tuple[float, float, float]:
-    """(dense, attention, seconds at 1 TFLOP/s and efficiency 1 in bf16) of the row's step."""
-    spec, w = get_spec(row["model"]), workload(row)
-    kept = set(kept_blocks(row, spec, w))
-    dense = attention = 0.0
-    for i, block in enumerate(spec.blocks):
-        d, a = cost.block_train_flops_split(spec, block, w, i not in kept)
-        dense, attention = dense + d, attention + a
-    return dense, attention, (dense + attention) / 1e12
+# Time: the coefficients of cost.block_seconds, solved together so the forecast of every row (through the
+# planner's own StageCosts, swap included) lands nearest its measured s/step in relative terms, within what the
+# hardware can do: no term faster than the device's measured matmul rate, no 8-bit matmul over twice bf16's.
+# (name, where it lives, lowest, highest, start)
+TIME_COEFFICIENTS = [
+    ("compiled_efficiency", ("shared",), 0.05, 1.0, 0.8),
+    ("eager_efficiency", ("shared",), 0.05, 1.0, 0.6),
+    ("attention_efficiency", ("shared",), 0.05, 1.0, 0.8),
+    ("elementwise_width", ("shared",), 0.0, 20000.0, 2000.0),
+    *((f"{m.name} {way}", ("mode", m.name, i), 0.2, 2.0, 1.0) for m in MODES if m.quantises
+      for i, way in enumerate(("forward", "backward"))),
+    *((f"{f.name} efficiency", ("family", f.name), 0.5, 2.0, 1.0) for f in FAMILIES if f.name != "flux2"),
+]
+
+
+def _set_time(values) -> None:
+    """Put trial coefficients where cost.block_seconds reads them."""
+    for (name, where, *_), value in zip(TIME_COEFFICIENTS, values):
+        if where[0] == "shared":
+            cost.CALIBRATION["time"][name] = float(value)
+        elif where[0] == "mode":
+            mode, speeds = next(m for m in MODES if m.name == where[1]), list(next(
+                m for m in MODES if m.name == where[1]).dense_speed["compiled"])
+            speeds[where[2]] = float(value)
+            mode.dense_speed = {**mode.dense_speed, "compiled": tuple(speeds)}
+        else:
+            next(f for f in FAMILIES if f.name == where[1]).calibration["efficiency"] = float(value)
 
 
 def time_table(rows: list[dict]) -> dict:
-    timed = [r for r in rows if r["s_per_step"] and not r["offloaded_blocks"]]
+    """The time coefficients fitted to `rows` (scipy's bounded least squares on the relative errors)."""
+    from scipy.optimize import least_squares
+    timed = [r for r in rows if r["s_per_step"]]
+    lower, upper, start = zip(*((lo, hi, x0) for _, _, lo, hi, x0 in TIME_COEFFICIENTS))
 
-    def rate(r):                                # FLOP/s the row's device ran at the measured step
-        return r["device_tflops"] * 1e12 * r["s_per_step"]
-
-    def family(r):
-        return get_spec(r["model"]).family
-
-    def pick(mode, compiled, fam="flux2"):
-        return [r for r in timed if r["base_compute"] == mode and (r["compile"] != "off") == compiled
-                and family(r) == fam]
-    # bf16: t = (D + A) / (R eff)
-    eff = {c: statistics.mean(sum(flops(r)[:2]) / rate(r) for r in pick("bf16", c)) for c in (True, False)}
-    dense_speed = {mode.name: mode.dense_speed["compiled"] for mode in MODES}
-    for mode in (m for m in MODES if m.quantises):      # t = (D / s + A) / (R eff)  ->  s = D / (t R eff - A)
-        got = [flops(r)[0] / (rate(r) * eff[True] - flops(r)[1]) for r in pick(mode.name, True)]
-        if got:
-            dense_speed[mode.name] = round(statistics.mean(got), 3)
-    families = {"flux2": 1.0}
-    for r in timed:
-        if family(r) != "flux2":
-            d, a, _ = flops(r)
-            families.setdefault(family(r), []).append(
-                (d / dense_speed[r["base_compute"]] + a) / (rate(r) * eff[r["compile"] != "off"]))
-    families = {k: (round(statistics.mean(v), 3) if isinstance(v, list) else v) for k, v in families.items()}
-    return {"compiled_efficiency": round(eff[True], 4), "eager_efficiency": round(eff[False], 4),
-            "compiled_dense_speed": dense_speed, "family": families}
+    def errors(values):
+        _set_time(values)
+        return [recorded_forecasts.compare(r)["s_error"] for r in timed]
+    values = [round(float(v), 4) for v in least_squares(errors, start, bounds=(lower, upper), diff_step=1e-3).x]
+    _set_time(values)
+    return {name: v for (name, *_), v in zip(TIME_COEFFICIENTS, values)}
 
 
 def calibration_file(family) -> Path:
@@ -188,31 +199,29 @@ def main(argv=None) -> int:
             for line in Path(name).read_text().splitlines() if line.strip()]
     fitted = [r for r in rows if r.get("block_kept_mib")]
     runs = sorted({f"{r['gpu']}, torch {r['torch']}" for r in fitted})
-    memory, time, host = memory_table(fitted), time_table(fitted), host_table(fitted)
+    memory, host = memory_table(fitted), host_table(fitted)
+    families = [f for f in FAMILIES if f.name in memory]      # (one no row measured keeps its own)
+    for family in families:
+        fitted_rows = {**family.calibration, "runs": runs, "memory": memory[family.name],
+                       "allocator": memory["allocator"][family.name], "host_gib": host[family.name]}
+        family.calibration.clear()
+        family.calibration.update(fitted_rows)
+    time = time_table(fitted)                 # (sets what it fits where the forecast reads it)
     shared = {**cost.CALIBRATION, "runs": runs,
               "rows": [str(Path(n).resolve().relative_to(ROOT)) if Path(n).resolve().is_relative_to(ROOT) else n
                        for n in a.rows],
-              "time": {k: time[k] for k in ("compiled_efficiency", "eager_efficiency")}}
-    families = []                             # (family, its fitted coefficients); one no row measured keeps its own
-    for family in FAMILIES:
-        if family.name in memory:
-            families.append((family, {**family.calibration, "runs": runs, "memory": memory[family.name],
-                                "allocator": memory["allocator"][family.name],
-                                "efficiency": time["family"].get(family.name, family.calibration["efficiency"]),
-                                "host_gib": host[family.name]}))
-    print(json.dumps({"shared": shared, **{f.name: fitted_rows for f, fitted_rows in families}}, indent=1))
-    print("compiled dense speed of each mode (its file in ugpum/compute/modes/):", time["compiled_dense_speed"])
+              "time": {name: time[name] for name, where, *_ in TIME_COEFFICIENTS if where == ("shared",)}}
     cost.CALIBRATION = shared
-    for family, fitted_rows in families:
-        family.calibration.clear()
-        family.calibration.update(fitted_rows)
+    print(json.dumps({"shared": shared, **{f.name: f.calibration for f in families}}, indent=1))
+    print("compiled dense speeds (forward, backward) of each mode, for its file in ugpum/compute/modes/:",
+          {m.name: m.dense_speed["compiled"] for m in MODES})
     print("\n".join(recorded_forecasts.table()))
     if a.write:
         cost.CALIBRATION_FILE.write_text(json.dumps(shared, indent=1) + "\n")
-        for family, fitted_rows in families:
-            calibration_file(family).write_text(json.dumps(fitted_rows, indent=1) + "\n")
+        for family in families:
+            calibration_file(family).write_text(json.dumps(family.calibration, indent=1) + "\n")
         print("wrote", ", ".join(str(p.relative_to(ROOT)) for p in
-                                 [cost.CALIBRATION_FILE, *(calibration_file(f) for f, _ in families)]))
+                                 [cost.CALIBRATION_FILE, *(calibration_file(f) for f in families)]))
     return 0
 
 

@@ -2,7 +2,7 @@
 # Prepare what the GPU machine needs beyond its image to run the newest ComfyUI (0.33) with this pack:
 # bench/session.sh runs there (its header says which pack each section needs).
 #
-#   [SITE=cli|server] [BEFORE=REF] bash bench/pack_device.sh [MIRROR_GIT_DIR]
+#   [SITE=cli|server] [BEFORE=REF] [CLIPS=1] bash bench/pack_device.sh [MIRROR_GIT_DIR]
 #
 # MIRROR_GIT_DIR: a bare git directory of ComfyUI upstream. In an agent session, the search tool's
 # `fetch github:yzkee/ComfyUI` returns one (/work/.mirror/yzkee+ComfyUI/repo, the default here); anywhere
@@ -85,6 +85,24 @@ fi
 if [ -n "${BEFORE:-}" ]; then
   git archive --format=tar --prefix=before/ "$BEFORE" ugpum bench comfy_bridge.py | xz -T0 > .carry/before.tar.xz
   echo "$(git rev-parse "$BEFORE") -> .carry/before.tar.xz ($(du -h .carry/before.tar.xz | cut -f1))"
+fi
+
+# The demo clips as folders of JPEG frames (~12 MB) for the Wan sections: SITE=cli carries no PyAV (its wheel,
+# 35 MB, does not fit beside the kitchen's kernels), and the dataset reads frame folders without it.
+if [ -n "${CLIPS:-}" ]; then
+  rm -rf .carry/loranne_frames && $py - <<'PY'
+import pathlib, shutil
+import av
+src, dst = pathlib.Path("demo_datasets/loranne_clips"), pathlib.Path(".carry/loranne_frames")
+for clip in sorted(src.glob("*.mp4")):
+    (dst / clip.stem).mkdir(parents=True)
+    with av.open(str(clip)) as video:
+        for i, frame in enumerate(video.decode(video=0)):
+            frame.to_image().save(dst / clip.stem / f"{i + 1:04d}.jpg", quality=85)
+    shutil.copy(clip.with_suffix(".txt"), dst / f"{clip.stem}.txt")
+PY
+  tar -C .carry -cf .carry/loranne_frames.tar loranne_frames && rm -rf .carry/loranne_frames
+  echo "demo clips as frames -> .carry/loranne_frames.tar ($(du -h .carry/loranne_frames.tar | cut -f1))"
 fi
 
 # The reference peer for speed rows (../shared/bench/, beside the checkout, does not travel)

@@ -7,8 +7,9 @@
 #   SITE=cli bash bench/pack_device.sh      profile eight-bit judge wan-judge cards wan-cards fit cuda-tests before-after
 #   bash bench/pack_device.sh               nodes (the ComfyUI server's requirements)
 #   BEFORE=REF SITE=cli bash bench/pack_device.sh      before-after (REF's tree too)
+#   CLIPS=1 SITE=cli bash bench/pack_device.sh      wan-judge wan-cards (the demo clips as frames: no PyAV)
 # Then one device call, carry [".carry/comfyui.tar.xz", ".carry/comfyui075.tar.xz", ".carry/peer_reference.py",
-# ".whl"] (and ".carry/before.tar.xz" for before-after):
+# ".whl"] (and ".carry/before.tar.xz" for before-after, ".carry/loranne_frames.tar" for Wan without PyAV):
 #   bash bench/session.sh "$OUT" SECTION...
 # Sections, run in the order given:
 #   profile     attention kernels at our shapes (bench/attention_backends.py), then a kernel table by op class
@@ -23,7 +24,9 @@
 #   cards       klein 9B, base compute auto + recompute auto, as the cards people own (CARDS: sizes in GiB,
 #               `whole`, or CARD:VARIANT neighbours of the planner's pick: kept+2 swapped-2 ...)
 #   wan-cards   Wan 2.1 14B (640² x 17 frames, rank 32) on 16 and 24 GiB cards, as planned
-#   fit         what the planner's memory and time model is fitted to (bench/calibration_fit.py reads the rows)
+#   dev-card    FLUX.2 [dev] 32B, fp8 weights, on a 24 GiB card as planned (base compute and recompute auto)
+#   fit         what the planner's memory and time model is fitted to (bench/calibration_fit.py reads the rows;
+#               FITS: which of none-bf16 none-fp8 none-int8 none-bf16-eager 8 16 wan, all by default)
 #   cuda-tests  the tests that run on CUDA when it is there
 #   nodes       the node tests in ComfyUI's default GPU mode (DynamicVRAM, cudaMallocAsync as they come)
 #   before-after  the whole-GPU and 16 GiB klein cases on REF's tree and on this one; the whole GPU's before
@@ -56,8 +59,9 @@ echo "ComfyUI $(cat .carry/comfyui/COMMIT)" | tee -a "$log"
 call=${CALL:-$(date +%F)/$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr -cd 'A-Za-z0-9')}
 k9=/tmp/k9.safetensors
 w14=/tmp/w14.safetensors
-model_file() {    # path, model id
-  [ -f "$1" ] || { step "write $2"; timeout 200 python3 bench/model_files.py dit --model "$2" --path "$1" >> "$log" 2>&1; }
+model_file() {    # path, model id[, stored dtype]
+  [ -f "$1" ] || { step "write $2"; timeout 200 python3 bench/model_files.py dit --model "$2" --path "$1" \
+    --dtype "${3:-bf16}" >> "$log" 2>&1; }
 }
 fits() {          # label: whether a case still fits the call (BUDGET_S, less a case's 100 s)
   (( SECONDS + 100 < ${BUDGET_S:-570} )) && return 0
@@ -92,7 +96,11 @@ peer() {          # label, then the peer script and its arguments
   kept_profile $label
 }
 ours="--model-file $k9 --steps 12"
-wan_args="--model-file $w14 --resolution 640 --frames 17 --rank 32 --dataset demo_datasets/loranne_clips"
+clips=demo_datasets/loranne_clips
+if ! python3 -c "import av" 2>/dev/null && [ -f .carry/loranne_frames.tar ]; then   # SITE=cli has no PyAV
+  tar -C /tmp -xf .carry/loranne_frames.tar && clips=/tmp/loranne_frames
+fi
+wan_args="--model-file $w14 --resolution 640 --frames 17 --rank 32 --dataset $clips"
 for s in $sections; do
   case $s in
   profile) model_file $k9 flux2-klein-9b
@@ -133,11 +141,21 @@ for s in $sections; do
     for card in 16 24; do
       case_row wan-$card "$COMFYUI_PATH" $wan_args --card-gib $card --recompute auto --steps 12 --choice planner
     done ;;
-  fit) model_file $k9 flux2-klein-9b
-    for m in bf16 fp8 int8; do case_row fit-none-$m "$COMFYUI_PATH" --model-file $k9 --steps 6 --base-compute $m --recompute none; done
-    case_row fit-none-bf16-eager "$COMFYUI_PATH" --model-file $k9 --steps 6 --base-compute bf16 --recompute none --compile off
-    case_row fit-8 "$COMFYUI_PATH" $ours --card-gib 8
-    case_row fit-16 "$COMFYUI_PATH" $ours --card-gib 16 --recompute auto ;;
+  dev-card) rm -f $w14 /tmp/k9-base.safetensors     # the disk (64 GiB) holds klein's and this 30 GiB file, no more
+    model_file /tmp/f2d.safetensors flux2-dev fp8
+    case_row dev-24 "$COMFYUI_PATH" --model-file /tmp/f2d.safetensors --weight-dtype fp8 --card-gib 24 \
+      --recompute auto --steps 10 --choice planner ;;
+  fit) for f in ${FITS:-none-bf16 none-fp8 none-int8 none-bf16-eager 8 16 wan}; do
+      [ $f = wan ] || model_file $k9 flux2-klein-9b
+      case $f in
+      none-bf16-eager) case_row fit-$f "$COMFYUI_PATH" --model-file $k9 --steps 6 --base-compute bf16 --recompute none \
+          --compile off ;;
+      none-*) case_row fit-$f "$COMFYUI_PATH" --model-file $k9 --steps 6 --base-compute ${f#none-} --recompute none ;;
+      wan) model_file $w14 wan2.1-14b        # Wan's kept blocks, no swap (the whole GPU keeps 17 of 40)
+        case_row fit-wan "$COMFYUI_PATH" $wan_args --steps 6 --base-compute fp8 --recompute auto ;;
+      *) case_row fit-$f "$COMFYUI_PATH" $ours --card-gib $f --recompute auto ;;
+      esac
+    done ;;
   cuda-tests) step "the tests that run on CUDA"
     timeout ${TESTS_S:-280} python3 -m pytest -q -p no:cacheprovider tests/unit/test_swap_8bit.py tests/unit/test_place.py \
       tests/integration/test_train.py -k "cuda or gpu" 2>&1 | tail -15 | tee -a "$log" ;;

@@ -25,7 +25,7 @@ from .int8 import Int8
 class Int8Simulated(Int8):
     name = "int8sim"
     order = 9
-    dense_speed = {"compiled": 0.5, "eager": 0.4}
+    dense_speed = {"compiled": (0.5, 0.5), "eager": (0.4, 0.4)}
     quality = "int8's quantisation, its matmuls in fp32"
     min_capability = None                # any device (so base_compute = auto never takes it)
     needs = ""

@@ -22,17 +22,16 @@ ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "results"
 FILES = (RESULTS / "calibration_fit.jsonl", RESULTS / "calibration.json")
 MEMORY_LIMIT = 0.05
-# Issue 29 asks 5 % for s/step too. Two H100 machines ran klein 9B's fp8 step 8 % apart (fit-16 on one, 0.520 s
-# with 2 blocks kept; klein-16 on another, 0.476 s with 4 kept, where keeping 2 more saves about 0.015 s): one
-# set of factors holds both within 6.5 %, not 5.
-TIME_LIMIT = 0.07
-HOST_LIMIT = 0.10
+TIME_LIMIT = 0.05
+TIME_BIAS_LIMIT = 0.02          # the mean signed s/step error over every row (issue 38: no bias)
+# klein 9B's host peak alone spread 2.07-2.55 GiB over modes and recompute settings (2026-12-07 rows): no one
+# figure holds all of them within 10 %; the median holds them within 12 %, the Wan and FLUX.2 [dev] rows within 8
+HOST_LIMIT = 0.12
 H100_HOST_GBPS = 50.0           # (a row without its probe's reading: the H100's pinned copies, PCIe 5 x16)
 
 
 def rows() -> list[dict]:
-    """Every recorded run that trained (or, for the memory, ran out of memory: fit-8 is kept for its
-    measured first step only by the fit), with what it measured."""
+    """Every recorded run that trained, with what it measured."""
     found = []
     for path in FILES:
         if path.exists():
@@ -43,9 +42,10 @@ def rows() -> list[dict]:
 def workload(row: dict) -> Workload:
     words = row["command"].split()
     rank = int(words[words.index("--rank") + 1]) if "--rank" in words else 16
+    loaded = words[words.index("--weight-dtype") + 1] if "--weight-dtype" in words else "bf16"
     return Workload(width=row["resolution"], height=row["resolution"], frames=row["frames"], rank=rank,
                     compiled=row.get("compile", "on") != "off", base_compute=row["base_compute"],
-                    held_dtype=held_dtype(row["base_compute"], "bf16"), recompute=row["recompute"])
+                    held_dtype=held_dtype(row["base_compute"], loaded), loaded_dtype=loaded, recompute=row["recompute"])
 
 
 def unit_bytes(row: dict, spec, w: Workload) -> float:

@@ -77,8 +77,9 @@ def test_a_quantised_plan_says_where_its_speed_ratio_was_measured():
     """Issue 41 item 5: a card the mode's speed was not measured on is forecast with the measured ratio, and the
     plan's assumed: lines say which ratio, where it was measured, and that this card was not."""
     int8 = modes.mode_named("int8")
+    forward, backward = int8.dense_speed["compiled"]
     said = planned("rtx3090", "int8").assumed
-    assert (f"base compute int8: compiled dense matmuls at {int8.dense_speed['compiled']:g}x their bf16 speed, as "
-            f"measured on an {int8.speed_measured_on['compiled']}; taken as it is for rtx3090 (not measured there)"
-            in said)
+    assert (f"base compute int8: compiled dense matmuls at {forward:g}x (forward) and {backward:g}x (backward) "
+            f"their bf16 speed, as measured on an {int8.speed_measured_on['compiled']}; taken as they are for "
+            f"rtx3090 (not measured there)" in said)
     assert not any(line.startswith("base compute") for line in planned("rtx3090", "bf16").assumed)

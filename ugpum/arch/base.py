@@ -44,6 +44,8 @@ class Workload:
     text_tokens: int = 512
     held_dtype: str = "bf16"             # the base weights as training holds them on the GPUs: bf16 | fp8 | fp32
     #                                      (under a quantising base_compute, its mode's: fp8 for the 8-bit ones)
+    loaded_dtype: str = "bf16"           # the weights as loaded (weight_dtype): what a quantising base leaves
+    #                                      outside its blocks' Linears keeps it
     rank: int = 16
     compiled: bool = False               # blocks compiled (ugpum.compute.compile): fused elementwise work
     base_compute: str = "bf16"           # the frozen base's matmuls: a mode of ugpum/compute/modes/ (bf16, fp8, int8)

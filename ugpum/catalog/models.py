@@ -140,7 +140,7 @@ class Profile:
     def workload(self, **overrides):
         from ..arch.base import Workload
         values = dict(width=self.width, height=self.height, frames=self.frames,
-                      held_dtype=self.dtype)
+                      held_dtype=self.dtype, loaded_dtype=self.dtype)
         values.update(overrides)
         return Workload(**values)
 

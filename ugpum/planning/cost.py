@@ -39,28 +39,25 @@ def memory_units(spec: ArchSpec, w: Workload) -> dict:
     return family_rows(spec)["memory"][_compiled(w)]
 
 
-def efficiency(spec: ArchSpec, w: Workload) -> float:
-    """The share of the device's measured square-matmul rate a block of this family reaches in bf16."""
-    return CALIBRATION["time"][f"{_compiled(w)}_efficiency"] * family_rows(spec)["efficiency"]
-
-
-def dense_speed(w: Workload) -> float:
-    """The base's dense matmuls in `w.base_compute` as a multiple of their bf16 speed (attention and the
-    LoRA unchanged): the mode's measured factor (ugpum/compute/modes/)."""
+def dense_speed(w: Workload) -> tuple[float, float]:
+    """The base's dense matmuls in `w.base_compute` as multiples of their bf16 speed, (forward, backward)
+    (attention and the LoRA unchanged): the mode's measured factors (ugpum/compute/modes/)."""
     return mode_named(w.base_compute).dense_speed[_compiled(w)]
 
 
 def dense_speed_assumed(w: Workload, labels: list[str]) -> str:
-    """The speed ratio a quantised base's forecast takes and where it was measured, in words, naming the
-    devices (by `labels`) it was not measured on ("" for the exact base)."""
+    """The speed ratios a quantised base's forecast takes and where they were measured, in words, naming the
+    devices (by `labels`) they were not measured on ("" for the exact base)."""
     mode, kind = mode_named(w.base_compute), _compiled(w)
     if not mode.quantises:
         return ""
     measured_on = mode.speed_measured_on.get(kind, "")
     elsewhere = [label for label in labels if not measured_on or measured_on.lower() not in label.lower()]
-    taken = f"; taken as it is for {', '.join(elsewhere)} (not measured there)" if elsewhere else ""
-    return (f"base compute {mode.name}: {kind} dense matmuls at {mode.dense_speed[kind]:g}x their bf16 speed, "
-            f"as measured on {'an ' + measured_on if measured_on else 'no GPU yet'}{taken}")
+    taken = f"; taken as they are for {', '.join(elsewhere)} (not measured there)" if elsewhere else ""
+    forward, backward = mode.dense_speed[kind]
+    return (f"base compute {mode.name}: {kind} dense matmuls at {forward:g}x (forward) and {backward:g}x "
+            f"(backward) their bf16 speed, as measured on {'an ' + measured_on if measured_on else 'no GPU yet'}"
+            f"{taken}")
 
 
 def block_flops_split(spec: ArchSpec, block: BlockSpec, w: Workload) -> tuple[float, float]:
@@ -82,10 +79,28 @@ def block_train_flops(spec: ArchSpec, block: BlockSpec, w: Workload, recomputed:
     return sum(block_train_flops_split(spec, block, w, recomputed))
 
 
+def block_time_terms(spec: ArchSpec, block: BlockSpec, w: Workload, recomputed: bool) -> dict[str, float]:
+    """The FLOPs of one block's forward + backward (+ its forward again when `recomputed`), by what bounds
+    their speed: the dense matmuls' forward passes and backward (an 8-bit base runs them at different
+    speeds), attention, and the memory-bound work around the matmuls (norms, modulation, activations, casts,
+    residuals), which grows with tokens x width where the matmuls grow with width²: counted as the dense
+    FLOPs over the block's width (`elementwise_width` of them make one FLOP's time)."""
+    dense, attention = block_flops_split(spec, block, w)
+    forward, backward = dense * (1 + recomputed), dense * DENSE_BACKWARD
+    return {"forward": forward, "backward": backward, "attention": attention * (1 + ATTENTION_BACKWARD + recomputed),
+            "elementwise": (forward + backward) / spec.hidden}
+
+
 def block_seconds(spec: ArchSpec, block: BlockSpec, w: Workload, tflops: float, recomputed: bool) -> float:
-    """One block's training time on a device of `tflops` (bf16 matmul rate), in the workload's mode."""
-    dense, attention = block_train_flops_split(spec, block, w, recomputed)
-    return (dense / dense_speed(w) + attention) / (tflops * 1e12 * efficiency(spec, w))
+    """One block's training time on a device of `tflops` (its measured bf16 matmul rate), in the workload's
+    mode: each term of `block_time_terms` at its measured share of that rate (CALIBRATION's time), scaled by
+    the family's own factor."""
+    terms, fitted = block_time_terms(spec, block, w, recomputed), CALIBRATION["time"]
+    forward_speed, backward_speed = dense_speed(w)
+    dense = (terms["forward"] / forward_speed + terms["backward"] / backward_speed
+             + terms["elementwise"] * fitted["elementwise_width"])
+    flops = dense / fitted[f"{_compiled(w)}_efficiency"] + terms["attention"] / fitted["attention_efficiency"]
+    return flops / (tflops * 1e12 * family_rows(spec)["efficiency"])
 
 
 def recompute_seconds(spec: ArchSpec, block: BlockSpec, w: Workload, tflops: float) -> float:

@@ -158,8 +158,8 @@ class StageCosts:
         self.keep_order = sorted(range(len(spec.blocks)), key=lambda i: (
             -round(saving[i] / top, 9), self.kept[False][i] - self.kept[True][i], i))
         # embedders and modulations are held like the blocks (1 byte each in fp8 weights), except under a
-        # quantised base, which quantises only the blocks' Linears: the rest stays as loaded (bf16 counted)
-        outside = ACT_BYTES if mode_named(w.base_compute).quantises else WEIGHT_BYTES[w.held_dtype]
+        # quantised base, which quantises only the blocks' Linears: the rest stays as loaded
+        outside = WEIGHT_BYTES[w.loaded_dtype if mode_named(w.base_compute).quantises else w.held_dtype]
         self.head = spec.head_params * outside + w.batch * w.text_tokens * spec.context_dim * ACT_BYTES
         self.tail = spec.tail_params * outside
         self.stage = lru_cache(maxsize=None)(self._stage)
@@ -651,8 +651,8 @@ def _explain_failure(spec, devices, w, grad_accum, in_flight) -> str:
     tries = []
     variants = []
     if w.held_dtype != "fp8":
-        variants.append((f"fp8 weights ({setting('weight_dtype', 'fp8')})", dataclasses.replace(w, held_dtype="fp8"),
-                         devices))
+        variants.append((f"fp8 weights ({setting('weight_dtype', 'fp8')})",
+                         dataclasses.replace(w, held_dtype="fp8", loaded_dtype="fp8"), devices))
     if w.recompute == "none":                   # (auto recomputes every block before it would not fit)
         variants.append((f"every block recomputed in backward ({setting('recompute', 'all')})",
                          dataclasses.replace(w, recompute="all"), devices))
@@ -703,8 +703,8 @@ def _what_would_fit(spec, devices, w, grad_accum, in_flight) -> str:
     gib = smallest_gib(w)
     if gib is not None:
         return f"Nothing simple would fit: {gpus(gib)} would ({flag(gib)})."
-    lean = dataclasses.replace(w, held_dtype="fp8", recompute="all", batch=1,     # (auto fits where all does)
-                               width=min(w.width, 512), height=min(w.height, 512))
+    lean = dataclasses.replace(w, held_dtype="fp8", loaded_dtype="fp8", recompute="all", batch=1,
+                               width=min(w.width, 512), height=min(w.height, 512))  # (auto fits where all does)
     changes = [text for text, changed in (
         (f"fp8 weights ({setting('weight_dtype', 'fp8')})", w.held_dtype != "fp8"),
         (f"every block recomputed in backward ({setting('recompute', 'all')})", w.recompute == "none"),

@@ -250,7 +250,7 @@ class TrainConfig:
         is planned as compiled (what it does on a CUDA GPU with Triton; it says so where it cannot)."""
         held = held_dtype(self.base_compute, self.weight_dtype)          # (auto: the planner's)
         return Workload(width=self.resolution, height=self.resolution, frames=self.frames, batch=self.batch,
-                        rank=self.rank, recompute=self.recompute, held_dtype=held,
+                        rank=self.rank, recompute=self.recompute, held_dtype=held, loaded_dtype=self.weight_dtype,
                         compiled=self.compile != "off", base_compute=self.base_compute)
 
 

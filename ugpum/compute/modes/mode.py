@@ -13,9 +13,9 @@ class ComputeMode:
     - How its matmul runs: `matmul`, on a device whose tensor cores it names (`min_capability`, `needs`);
       `ugpum.compute.base_compute` runs it in a Linear (and its fp32 reference emulation anywhere).
     - Its memory per weight: `held_dtype`, the weight dtype whose bytes a base weight takes on the GPUs.
-    - Its speed factors: `dense_speed`, the base's dense matmuls as a multiple of their bf16 speed,
-      measured for compiled and eager blocks (the planner's cost model reads them) on the GPU
-      `speed_measured_on` names; other GPUs are forecast with the same ratio, and plans say so.
+    - Its speed factors: `dense_speed`, the base's dense matmuls as multiples of their bf16 speed,
+      (forward, backward), measured for compiled and eager blocks (the planner's cost model reads them) on
+      the GPU `speed_measured_on` names; other GPUs are forecast with the same ratios, and plans say so.
     - Its quality: `gradient_cosine`, the per-block cosine of the LoRA gradients it gives against the exact
       base's, as measured (None: never measured, and base_compute = auto never takes it); `quality` words it
       beside its plans.
@@ -24,7 +24,7 @@ class ComputeMode:
     order: int = 0                      # its place in every list of modes (auto keeps the first on a tie)
     quantises: bool = True
     held_dtype: str | None = None       # None: the base is held as the run's weight dtype holds it
-    dense_speed: dict[str, float] = {"compiled": 1.0, "eager": 1.0}
+    dense_speed: dict[str, tuple[float, float]] = {"compiled": (1.0, 1.0), "eager": (1.0, 1.0)}
     speed_measured_on: dict[str, str] = {}   # per dense_speed key: the GPU (a name's words) it was measured on
     gradient_cosine: float | None = None
     # The CUDA compute capability its kernels need, or None: it runs on any device. base_compute = auto
