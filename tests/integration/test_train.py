@@ -2,11 +2,13 @@
 and the written LoRA loading through ComfyUI's own LoRA code."""
 import json
 import shutil
+import traceback
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from comfy_bridge import find_comfyui
 from ugpum.train.run.checkpoint import latest_checkpoint
@@ -167,6 +169,47 @@ def test_split_over_two_devices_gives_the_same_lora(tmp_path):
     a, b = lora_tensors(one.lora_path), lora_tensors(two.lora_path)
     for k in a:
         torch.testing.assert_close(b[k], a[k], rtol=1e-6, atol=1e-7)
+
+
+HOST_READS = ("item", "tolist", "__float__", "__bool__", "__int__", "__index__")
+
+
+def test_a_step_reads_the_device_once_however_many_lora_modules_and_micro_batches(tmp_path, monkeypatch):
+    """Reading a tensor's value on the host (item, float, bool, int, tolist) is a host sync on a GPU: the host
+    waits until the GPU's queue drains. A step reads its micro-batches' losses and its gradients' norm once,
+    together, whatever the LoRA's size. Not counted: AdamW's step counters, which torch keeps on the host even
+    beside CUDA parameters (reading them is no sync; 2 a parameter a step in its foreach path)."""
+    optimizers, sites, counting = [], [], [False]
+
+    def counted(name):
+        original = getattr(torch.Tensor, name)
+
+        def read(self, *args, **kwargs):
+            if counting[0] and not any(self is state.get("step") for o in optimizers for state in o.state.values()):
+                frame = traceback.extract_stack(limit=2)[0]
+                sites.append(f"{name} at {Path(frame.filename).name}:{frame.lineno}")
+            return original(self, *args, **kwargs)
+        monkeypatch.setattr(torch.Tensor, name, read)
+    for name in HOST_READS:
+        counted(name)
+    seen = register_optimizer_step_pre_hook(lambda o, *_: None if o in optimizers else optimizers.append(o))
+
+    def on_step(step, steps, _loss):              # the reads of steps 2..4, not the saves and validation after
+        counting[0] = step < steps
+    reads = {}
+    try:
+        for targets in ([], ["img_attn.qkv"]):    # every Linear (22), then 2
+            sites.clear()
+            # 4 steps of 2 micro-batches stay in the first epoch of 10 items, whose shuffle is drawn before them
+            result = train(cfg(steps=4, grad_accum=2, save_every=0, targets=targets), tmp_path / str(len(targets)),
+                           on_step=on_step, **QUIET)
+            assert result.steps_done == 4
+            reads[sum(".lora_A." in k for k in lora_tensors(result.lora_path))] = list(sites)
+    finally:
+        seen.remove()
+    assert len(reads) == 2                         # two LoRA sizes
+    for modules, found in reads.items():
+        assert len(found) == 3, f"{modules} LoRA modules: {len(found)} host reads in 3 steps: {found}"
 
 
 def test_second_run_hits_the_cache(tmp_path):

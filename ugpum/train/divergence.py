@@ -13,20 +13,31 @@ class NonFiniteStep(TrainingError):
     """The loss or a gradient of a step is NaN or infinite; nothing of that step was applied."""
 
 
-def _total_norm(grads: list[torch.Tensor]) -> float:
-    """The gradients' joint 2-norm (inf or NaN when any value is), read with one device sync."""
+def _total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The gradients' joint 2-norm (inf or NaN when any value is), on the device: not read yet."""
     if hasattr(torch.nn.utils, "get_total_norm"):
-        return float(torch.nn.utils.get_total_norm(grads))
+        return torch.nn.utils.get_total_norm(grads)
     first = grads[0].device
-    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g).to(first) for g in grads])))
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g).to(first) for g in grads]))
 
 
-def check_step(step: int, loss: float, params: list[torch.nn.Parameter], cfg) -> None:
-    """Raise NonFiniteStep for step `step` (counted from 1) when its loss or its gradients are not finite."""
+def _read(values: list[torch.Tensor]) -> list[float]:
+    """One-value tensors on any devices, read in one host sync (`float(t)` waits for the device each time)."""
+    first = values[0].device
+    return torch.stack([v.detach().reshape(()).to(first, torch.float64) for v in values]).tolist()   # (exact)
+
+
+def check_step(step: int, loss: float | list[torch.Tensor], params: list[torch.nn.Parameter], cfg) -> float:
+    """Raise NonFiniteStep for step `step` (counted from 1) when its loss or its gradients are not finite;
+    else the step's loss. `loss`: a number, or the micro-batches' losses as tensors, summed in order once read:
+    they and the gradients' norm are read together, the step's one host sync."""
     grads = [p.grad for p in params if p.grad is not None]
-    norm = _total_norm(grads) if grads else 0.0
+    losses = loss if isinstance(loss, list) else []
+    *parts, norm = _read([*losses, _total_norm(grads) if grads else torch.zeros(())])
+    if isinstance(loss, list):
+        loss = sum(parts)
     if math.isfinite(loss) and math.isfinite(norm):
-        return
+        return loss
     what = f"the loss is {loss}" if not math.isfinite(loss) else f"the gradients' norm is {norm}"
     clip = "" if cfg.max_grad_norm else ", turn gradient clipping on (max_grad_norm = 1.0)"
     raise NonFiniteStep(f"step {step}: {what}, so the run stopped before applying it (the LoRA stays as step "

@@ -62,9 +62,11 @@ class Stepper(Protocol):
     def load(self, checkpoint: Path, optimizer: torch.optim.Optimizer) -> None:
         """The LoRA and the optimizer's state from a run's checkpoint folder."""
 
-    def forward_backward(self, ks: list[int], features: Features, micro_batches: MicroBatches) -> float:
+    def forward_backward(self, ks: list[int], features: Features, micro_batches: MicroBatches
+                         ) -> float | list[torch.Tensor]:
         """Forward and backward of the step's micro-batches `ks`, the LoRA gradients summed in micro-batch
-        order; this process's part of the step's loss (each micro-batch's mean loss / grad_accum)."""
+        order; this process's part of the step's loss (each micro-batch's mean loss / grad_accum): a number,
+        or those losses as tensors still on their devices, which `divergence.check_step` reads and sums."""
 
     def clip(self, max_norm: float) -> None:
         """Clip the gradients of the whole LoRA to `max_norm` (their norm over every process)."""

@@ -257,7 +257,7 @@ class RunState:
                 h.check_interrupt()
             ks = [self.step * cfg.grad_accum + j for j in range(cfg.grad_accum)]
             loss = stepper.forward_backward(ks, self.features, micro_batches)
-            check_step(self.step + 1, loss, stepper.params, cfg)     # NaN or inf: stop before applying it
+            loss = check_step(self.step + 1, loss, stepper.params, cfg)   # NaN or inf: stop before applying it
             if cfg.max_grad_norm:
                 stepper.clip(cfg.max_grad_norm)
             optimizer.step()

@@ -73,13 +73,14 @@ class Replicas:
         self.pool = ThreadPoolExecutor(len(replicas), "ugpum-replica") if len(replicas) > 1 else None
         self.warm = False                  # the first step runs the replicas one after the other (compiling once)
 
-    def step(self, ks: list[int], loss_of: Callable[[Replica, int], torch.Tensor]) -> float:
+    def step(self, ks: list[int], loss_of: Callable[[Replica, int], torch.Tensor]) -> list[torch.Tensor]:
         """Forward and backward of micro-batches `ks` over the replicas, the step's LoRA gradient in the first
-        replica's parameters; the step's loss (the sum of `loss_of`'s, in ascending k)."""
+        replica's parameters; `loss_of`'s losses in ascending k, left on their devices (the loop reads them
+        with the gradients' norm in one host sync: `divergence.check_step`)."""
         lead = self.lead
         if self.pool is None:
-            return sum(float(x) for x in accumulate(lambda k: loss_of(lead, k), ks, lead.plan.schedule,
-                                                    lead.layout, lead.model))
+            return [x.detach() for x in accumulate(lambda k: loss_of(lead, k), ks, lead.plan.schedule,
+                                                   lead.layout, lead.model)]
         self.take_lead_weights()
         parts, start = [], 0
         for share in self.shares:
@@ -100,7 +101,7 @@ class Replicas:
             losses.update(own_losses)
             handed.update(own_gradients)
         self._add_in_order(handed)
-        return sum(float(losses[k]) for k in sorted(losses))
+        return [losses[k] for k in sorted(losses)]
 
     def take_lead_weights(self) -> None:
         """Every replica's LoRA set to the first replica's (after its optimizer step, or a resume)."""

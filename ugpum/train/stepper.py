@@ -60,9 +60,9 @@ class OneProcessStepper:
     def load(self, checkpoint, optimizer) -> None:
         load_checkpoint(checkpoint, self.lora, optimizer)
 
-    def forward_backward(self, ks: list[int], features, micro_batches) -> float:
-        """Forward and backward of the micro-batches `ks`, their LoRA gradients summed in order; the
-        step's loss (each micro-batch's mean loss / grad_accum, summed)."""
+    def forward_backward(self, ks: list[int], features, micro_batches) -> list[torch.Tensor]:
+        """Forward and backward of the micro-batches `ks`, their LoRA gradients summed in order; each
+        micro-batch's mean loss / grad_accum, in order, not yet read (the step's loss is their sum)."""
         cfg = self.cfg
 
         def one(replica, k: int) -> torch.Tensor:
