@@ -194,7 +194,11 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", nargs="+", default=ROWS)
     p.add_argument("--write", action="store_true", help="write ugpum/planning/calibration.json")
+    p.add_argument("--check", action="store_true", help="exit 1 where the coefficients the planner reads (the "
+                   "calibration files, each mode's dense_speed) are not this fit's")
     a = p.parse_args(argv)
+    held = {"shared": cost.CALIBRATION["time"], **{f.name: dict(f.calibration) for f in FAMILIES},
+            **{m.name: m.dense_speed["compiled"] for m in MODES}}
     rows = [json.loads(line) for name in a.rows if Path(name).exists()
             for line in Path(name).read_text().splitlines() if line.strip()]
     fitted = [r for r in rows if r.get("block_kept_mib")]
@@ -216,6 +220,12 @@ def main(argv=None) -> int:
     print("compiled dense speeds (forward, backward) of each mode, for its file in ugpum/compute/modes/:",
           {m.name: m.dense_speed["compiled"] for m in MODES})
     print("\n".join(recorded_forecasts.table()))
+    now = {"shared": shared["time"], **{f.name: dict(f.calibration) for f in FAMILIES},
+              **{m.name: m.dense_speed["compiled"] for m in MODES}}
+    if a.check and now != held:
+        print("the planner's coefficients are not this fit's:", {k: (held[k], v) for k, v in now.items()
+                                                                 if held[k] != v})
+        return 1
     if a.write:
         cost.CALIBRATION_FILE.write_text(json.dumps(shared, indent=1) + "\n")
         for family in families:

@@ -82,3 +82,13 @@ def test_the_memory_bound_term_and_the_backward_speed_show(monkeypatch):
     forward, _ = mode_named("fp8").dense_speed["compiled"]
     monkeypatch.setattr(mode_named("fp8"), "dense_speed", {"compiled": (forward, forward), "eager": (0.83, 0.83)})
     assert worst("s_error") > recorded.TIME_LIMIT
+
+
+def test_the_coefficients_the_planner_reads_are_the_fits():
+    """The calibration files and each mode's dense speeds are what `bench/calibration_fit.py` fits from the
+    recorded rows (a hand-edited factor, or rows added without a refit, fail here)."""
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, str(recorded.ROOT / "bench" / "calibration_fit.py"), "--check"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
