@@ -1,15 +1,12 @@
 """The planner's coefficients, fitted to runs of `python -m ugpum train` on a GPU (issue 29): the rows bench/cards.py
 writes, with what each block kept read off the allocator.
 
-    python bench/calibration_fit.py                  # print the coefficients and each row's forecast error
-    python bench/calibration_fit.py --write          # and write them where the planner reads them
+    python bench/calibration_fit.py [--write | --check]   # print (write, check) the coefficients, each row's error
 
-Where they go: the shared bf16 efficiencies into ugpum/planning/calibration.json, each family's memory, allocator,
-efficiency and host rows into ugpum/arch/<family>/calibration.json; each 8-bit mode's compiled dense speed is
-printed, for its file in ugpum/compute/modes/ (a mode's speed is part of its one file).
-Rows: bench/results/calibration_fit.jsonl (`bash bench/session.sh OUT fit` on the device) and
-bench/results/calibration.json (`... cards` and `wan-cards`: the planner's picks on cards, made after the first
-fit; each such run first checks the coefficients as they were, then joins the fit).
+Where they go: the shared time coefficients into ugpum/planning/calibration.json, each family's into
+ugpum/arch/<family>/calibration.json; each 8-bit mode's compiled dense speeds are printed, for its file in
+ugpum/compute/modes/. Rows: bench/results/calibration_fit.jsonl (`bash bench/session.sh OUT fit`) and
+bench/results/calibration.json (`... cards`, `wan-cards`, `dev-card`: the planner's picks on cards).
 
 Memory, in units of the hidden state between two blocks (ArchSpec.boundary_bytes; for a row whose blocks were
 recomputed, the unit is what such a block left alive, which is its output: this reads the tokens the dataset's
@@ -151,9 +148,9 @@ TIME_COEFFICIENTS = [
     ("eager_efficiency", ("shared",), 0.05, 1.0, 0.6),
     ("attention_efficiency", ("shared",), 0.05, 1.0, 0.8),
     ("elementwise_width", ("shared",), 0.0, 20000.0, 2000.0),
-    *((f"{m.name} {way}", ("mode", m.name, i), 0.2, 2.0, 1.0) for m in MODES if m.quantises
+    *((f"{m.name} {way}", ("mode", m, i), 0.2, 2.0, 1.0) for m in MODES if m.quantises
       for i, way in enumerate(("forward", "backward"))),
-    *((f"{f.name} efficiency", ("family", f.name), 0.5, 2.0, 1.0) for f in FAMILIES if f.name != "flux2"),
+    *((f"{f.name} efficiency", ("family", f), 0.5, 2.0, 1.0) for f in FAMILIES if f.name != "flux2"),
 ]
 
 
@@ -163,12 +160,11 @@ def _set_time(values) -> None:
         if where[0] == "shared":
             cost.CALIBRATION["time"][name] = float(value)
         elif where[0] == "mode":
-            mode, speeds = next(m for m in MODES if m.name == where[1]), list(next(
-                m for m in MODES if m.name == where[1]).dense_speed["compiled"])
+            speeds = list(where[1].dense_speed["compiled"])
             speeds[where[2]] = float(value)
-            mode.dense_speed = {**mode.dense_speed, "compiled": tuple(speeds)}
+            where[1].dense_speed = {**where[1].dense_speed, "compiled": tuple(speeds)}
         else:
-            next(f for f in FAMILIES if f.name == where[1]).calibration["efficiency"] = float(value)
+            where[1].calibration["efficiency"] = float(value)
 
 
 def time_table(rows: list[dict]) -> dict:

@@ -132,8 +132,9 @@ def write_table(summary: dict, path: Path, label: str) -> None:
              "| op class | ms/step | share |", "|---|---|---|"]
     total = sum(s["by_class_ms_per_step"].values()) or 1
     lines += [f"| {k} | {v:.1f} | {100 * v / total:.1f} % |" for k, v in s["by_class_ms_per_step"].items()]
-    lines += ["", "host syncs per step: " + (", ".join(f"{k} {v:g}" for k, v in s["host_syncs_per_step"].items())
-                                             or "none"), "", "| kernel | class | ms/step | calls/step |",
+    # (aten::item reads CPU tensors too, AdamW's step counters among them: only the CUDA calls wait for the GPU)
+    lines += ["", "host syncs and scalar reads per step: " + (", ".join(
+        f"{k} {v:g}" for k, v in s["host_syncs_per_step"].items()) or "none"), "", "| kernel | class | ms/step | calls/step |",
               "|---|---|---|---|"]
     lines += [f"| `{k['name']}` | {k['class']} | {k['ms_per_step']} | {k['calls_per_step']:g} |"
               for k in s["top_kernels"]]
