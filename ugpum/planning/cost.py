@@ -66,19 +66,6 @@ def block_flops_split(spec: ArchSpec, block: BlockSpec, w: Workload) -> tuple[fl
     return spec.block_flops(block, w) - attention, attention
 
 
-def block_train_flops_split(spec: ArchSpec, block: BlockSpec, w: Workload,
-                            recomputed: bool) -> tuple[float, float]:
-    """(dense, attention) FLOPs of one block's forward + backward (+ its forward again when `recomputed`)."""
-    dense, attention = block_flops_split(spec, block, w)
-    passes = 1 if recomputed else 0
-    return dense * (1 + DENSE_BACKWARD + passes), attention * (1 + ATTENTION_BACKWARD + passes)
-
-
-def block_train_flops(spec: ArchSpec, block: BlockSpec, w: Workload, recomputed: bool) -> float:
-    """Forward + backward (+ recompute) FLOPs of one block."""
-    return sum(block_train_flops_split(spec, block, w, recomputed))
-
-
 def block_time_terms(spec: ArchSpec, block: BlockSpec, w: Workload, recomputed: bool) -> dict[str, float]:
     """The FLOPs of one block's forward + backward (+ its forward again when `recomputed`), by what bounds
     their speed: the dense matmuls' forward passes and backward (an 8-bit base runs them at different
