@@ -39,7 +39,8 @@ def test_step_time_forecasts_have_no_bias():
 
 def test_the_rows_hold_video_and_the_largest_model_on_small_cards():
     """Wan 2.1 14B as planned on 16 and 24 GiB cards, FLUX.2 [dev] fp8 on a 24 GiB card: trained, in the set."""
-    held = {(r["model"], r.get("card_gib")) for r in recorded.rows() if r.get("choice") == "planner" and r["steps"] >= 8}
+    held = {(r["model"], r.get("card_gib")) for r in recorded.rows()
+            if r.get("choice") == "planner" and r["steps"] >= 8}
     assert {("wan2.1-14b", 16.0), ("wan2.1-14b", 24.0), ("flux2-dev", 24.0)} <= held
 
 

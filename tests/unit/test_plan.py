@@ -155,3 +155,31 @@ def test_manual_split_is_used_and_checked():
         make_plan(spec, devices, Workload(), split=[10, 10])
     with pytest.raises(PlanError, match="do not fit"):
         make_plan(spec, [device(24, 100), device(4, 100)], Workload(), split=[2, 30])
+
+
+@settings(max_examples=30, deadline=None)
+@given(dev=st.tuples(st.floats(4, 40), st.floats(20, 400)), w=workload_st,
+       model=st.sampled_from(["flux2-klein-9b", "flux2-dev", "wan2.1-14b"]), cut=st.floats(0, 1))
+def test_the_counted_swap_and_keep_choices_are_the_listed_ones(dev, w, model, cut):
+    """The partition search's shortcuts choose what the plain definitions choose: the first swap set of
+    `_swap_choices` that frees enough, and keeping activations block by block in `keep_order` while the stage's
+    whole memory (`_memory`) stays within the budget."""
+    import dataclasses
+    spec = get_spec(model)
+    ev = StageCosts(spec, [device(*dev)], dataclasses.replace(w, recompute="auto"), 1)
+    n = len(spec.blocks)
+    a, b = 0, max(1, int(cut * n))
+    budget = budget_bytes(ev.devices[0])
+    unswapped = sum(ev._memory(0, a, b, ()).values())
+    listed = next((o for o in ev._swap_choices(a, b) if unswapped - sum(ev.weight[i] for i in o)
+                   + 2 * max((ev.weight[i] for i in o), default=0) <= budget), None)
+    assert ev._first_swap_that_fits(a, b, unswapped - budget) == listed
+    if listed is not None:
+        kept: list[int] = []
+        for i in ev.keep_order:
+            trial = tuple(sorted(kept + [i]))
+            if a <= i < b and i not in listed and sum(ev._memory(0, a, b, listed, trial).values()) <= budget:
+                kept.append(i)
+        resident = tuple(i for i in range(a, b) if i not in listed)
+        whole = sum(ev._memory(0, a, b, listed, resident).values()) <= budget
+        assert ev._keep_what_fits(0, a, b, listed, budget) == (resident if whole else tuple(sorted(kept)))

@@ -163,6 +163,7 @@ class StageCosts:
         self.head = spec.head_params * outside + w.batch * w.text_tokens * spec.context_dim * ACT_BYTES
         self.tail = spec.tail_params * outside
         self.stage = lru_cache(maxsize=None)(self._stage)
+        self._block_seconds = lru_cache(maxsize=None)(self._block_seconds_at)
 
     def fixed_kept(self, a: int, b: int) -> tuple[int, ...]:
         """The blocks of [a, b) that keep their activations before auto chooses any: every one under
@@ -202,16 +203,9 @@ class StageCosts:
         """(seconds, memory dict, offloaded, kept) or None if the range cannot fit on device k."""
         budget = budget_bytes(self.devices[k])
         # a swap set changes only the resident weights and the two slots (`_memory`): counted as such
-        unswapped = sum(self._memory(k, a, b, ()).values())
-        fits = None
-        for offloaded in self._swap_choices(a, b):
-            swapped = [self.weight[i] for i in offloaded]
-            if unswapped - sum(swapped) + 2 * max(swapped, default=0) <= budget:
-                fits = offloaded
-                break
-        if fits is None:
+        offloaded = self._first_swap_that_fits(a, b, sum(self._memory(k, a, b, ()).values()) - budget)
+        if offloaded is None:
             return None
-        offloaded = fits
         # The order is deliberate: the swap set above is the smallest that fits with every block
         # recomputed (a swapped block costs its bytes over the host link twice a step, far more than a
         # recomputed forward), and only the memory then left over keeps activations (auto).
@@ -222,12 +216,18 @@ class StageCosts:
         """Stage k's seconds per micro-batch: its blocks' compute (a kept block skips its recompute) plus
         the swap copies that compute cannot hide (forward and backward each hide one copy's worth)."""
         dev = self.devices[k]
-        each = [(cost.block_seconds(self.spec, self.spec.blocks[i], self.w, dev.tflops_bf16, i not in kept),
-                 cost.forward_share(i not in kept)) for i in range(a, b)]
+        block_s = self._block_seconds(dev.tflops_bf16)
+        each = [(block_s[i not in kept][i], cost.forward_share(i not in kept)) for i in range(a, b)]
         compute = sum(s for s, _ in each)
         forward = sum(s * share for s, share in each)
         transfer = sum(self.weight[i] for i in offloaded) / (dev.host_gbps * 1e9)
         return compute + max(0.0, transfer - forward) + max(0.0, transfer - (compute - forward))
+
+    def _block_seconds_at(self, tflops: float) -> dict[bool, list[float]]:
+        """Each block's seconds on a device of `tflops`, indexed by whether it is recomputed (asked once per rate:
+        the partition search weighs each block in thousands of stage ranges)."""
+        return {r: [cost.block_seconds(self.spec, b, self.w, tflops, r) for b in self.spec.blocks]
+                for r in (False, True)}
 
     def _keep_what_fits(self, k: int, a: int, b: int, offloaded: tuple[int, ...], budget: float) -> tuple[int, ...]:
         """recompute = auto: the resident blocks of [a, b) whose activations the budget still holds, at
@@ -236,13 +236,33 @@ class StageCosts:
         resident = tuple(i for i in range(a, b) if i not in offloaded)
         if sum(self._memory(k, a, b, offloaded, resident).values()) <= budget:
             return resident                              # (a large budget: no need to choose)
-        kept: list[int] = []
+        # `_memory` with a block more kept, counted by difference: its kept bytes for every micro-batch in
+        # flight instead of its recomputed ones, and the largest of the blocks' peak extras
+        room = budget - sum(self._memory(k, a, b, offloaded, ()).values())
+        extras = self._each(self.extra, (), a, b)
+        peak, kept = max(extras, default=0), []
         for i in self.keep_order:
             if a <= i < b and i not in offloaded:
-                trial = tuple(sorted(kept + [i]))
-                if sum(self._memory(k, a, b, offloaded, trial).values()) <= budget:
-                    kept = list(trial)
-        return tuple(kept)
+                trial = extras[:i - a] + [self.extra[False][i]] + extras[i - a + 1:]
+                grows = self.in_flight * (self.kept[False][i] - self.kept[True][i]) + max(trial) - peak
+                if grows <= room:
+                    kept.append(i)
+                    room, peak, extras = room - grows, max(trial), trial
+        return tuple(sorted(kept))
+
+    def _first_swap_that_fits(self, a: int, b: int, excess: float) -> tuple[int, ...] | None:
+        """The first of `_swap_choices(a, b)` that frees `excess` bytes (its weights less two slots of its
+        largest block), or None. Counted, not listed: within a slot size each choice takes one block more, the
+        largest first, so the bytes it frees are a running sum (the partition search asks thousands of ranges)."""
+        if excess <= 0:
+            return ()
+        for pools in self._swap_tiers(a, b):
+            slots, freed, count = 2 * self.weight[pools[0][0]], 0, 0
+            for i in (i for pool in pools for i in pool):
+                freed, count = freed + self.weight[i], count + 1
+                if freed - slots >= excess:
+                    return self._chosen(pools, count)
+        return None
 
     def _swap_choices(self, a: int, b: int):
         """Sets of blocks of [a, b) to stream from host memory, to try in this order. The GPU keeps two
@@ -252,18 +272,27 @@ class StageCosts:
         blocks computed before it. (Largest-first streamed klein 9B's 8 leading double blocks back to
         back: 1.09x the unconstrained step at a 16 GiB cap on the H200; this choice: 1.00x.)"""
         yield ()
+        for pools in self._swap_tiers(a, b):
+            for count in range(1, sum(len(p) for p in pools) + 1):
+                yield self._chosen(pools, count)
+
+    def _swap_tiers(self, a: int, b: int) -> list[list[list[int]]]:
+        """Per slot size, smallest first: the blocks of [a, b) of that size and below, grouped by size, largest
+        first."""
         by_size: dict[int, list[int]] = {}
         for i in range(a, b):
             by_size.setdefault(self.weight[i], []).append(i)
         sizes = sorted(by_size)
-        for top in range(len(sizes)):
-            pools = [by_size[size] for size in reversed(sizes[:top + 1])]
-            for count in range(1, sum(len(p) for p in pools) + 1):
-                chosen: list[int] = []
-                for pool in pools:
-                    take = min(count - len(chosen), len(pool))
-                    chosen += [pool[int((j + 0.5) * len(pool) / take)] for j in range(take)]
-                yield tuple(sorted(chosen))
+        return [[by_size[size] for size in reversed(sizes[:top + 1])] for top in range(len(sizes))]
+
+    @staticmethod
+    def _chosen(pools: list[list[int]], count: int) -> tuple[int, ...]:
+        """`count` blocks, from the first pool on, evenly spaced within each."""
+        chosen: list[int] = []
+        for pool in pools:
+            take = min(count - len(chosen), len(pool))
+            chosen += [pool[int((j + 0.5) * len(pool) / take)] for j in range(take)]
+        return tuple(sorted(chosen))
 
     def key(self, k: int, a: int, b: int):
         """Sort key of one stage: slowest first, then bytes streamed, then memory pressure."""
