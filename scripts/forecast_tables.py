@@ -46,7 +46,7 @@ RIG_ROWS = (("one RTX 4090 (24 GB)", ["rtx4090"], {}),
 
 def cell(profile: str, overrides: dict, gpus: list[str]) -> str:
     """One forecast in a few words: s/step, then blocks swapped (per copy) or the fullest GPU's GiB, and for
-    several GPUs the layout the planner chose."""
+    several GPUs the layout the planner chose; where the recomputed blocks' inputs wait in host memory, so."""
     try:
         plan = plan_for_config(load_config(profile, overrides=overrides), parse_device_specs(gpus, probe=False))
     except PlanError:
@@ -55,6 +55,7 @@ def cell(profile: str, overrides: dict, gpus: list[str]) -> str:
     mode = f", {plan.base_compute}" if quantised else ""
     layout = "" if len(gpus) == 1 else f", {len(plan.replicas)} replicas" if plan.replicas else \
         ", one card" if len(plan.stages) == 1 else ", split"
+    layout += ", inputs on host" if any(p.inputs_on_host_gib for p in plan.copies) else ""
     if plan.offloaded_blocks:
         return f"{plan.predicted_step_s:.1f} s, swap {len(plan.offloaded_blocks)}{mode}{layout}"
     return f"{plan.predicted_step_s:.1f} s, {max(s.forecast_gib for s in plan.stages):.1f} GiB{mode}{layout}"

@@ -100,7 +100,11 @@ def test_all_none_and_a_planned_mix_train_the_same_lora(tmp_path, monkeypatch, p
             torch.testing.assert_close(loras[recompute][key], t, rtol=1e-6, atol=1e-9, msg=f"{recompute}: {key}")
 
 
-def test_emulated_int8_base_with_mixed_checkpointing_gives_the_same_gradients(comfy):
+def test_emulated_int8_base_with_mixed_checkpointing_gives_the_same_gradients(comfy, monkeypatch):
+    """ComfyUI's FLUX.2 blocks (double ones called by keyword) with none, some or all recomputed, and all with
+    their inputs held in host memory (`inputs_on_host`: on the CPU a copy, the path the GPU's pinned one takes)."""
+    from ugpum.compute import recompute
+    monkeypatch.setattr(recompute, "HOST_MIN_BYTES", 0)
     model = cm.build_tiny_flux2(torch.float32, depth=2, depth_single=2, exact_rope=False)
     paths = ["double_blocks.0", "double_blocks.1", "single_blocks.0", "single_blocks.1"]
     targets = [f"{p}.{n}" for p in paths for n, m in model.get_submodule(p).named_modules()
@@ -115,8 +119,9 @@ def test_emulated_int8_base_with_mixed_checkpointing_gives_the_same_gradients(co
     inputs = cm.flux2_inputs(model, height_latent=4, width_latent=4)
     weights = None
     grads = {}
-    for name, recomputed in (("none", []), ("every other", paths[::2]), ("all", paths)):
-        undo = recompute_blocks(model, recomputed)
+    for name, recomputed, on_host in (("none", [], False), ("every other", paths[::2], False), ("all", paths, False),
+                                      ("all, inputs on host", paths, True)):
+        undo = recompute_blocks(model, recomputed, inputs_on_host=on_host, device_types=("cpu",))
         for _, a in lora.items():
             a.A.grad = a.B.grad = None
         out = model(**inputs, transformer_options={})
@@ -126,6 +131,6 @@ def test_emulated_int8_base_with_mixed_checkpointing_gives_the_same_gradients(co
         undo()
     assert any("int8 (emulated" in line for line in said), said
     assert all(g.abs().max() > 0 for g in grads["all"])
-    for name in ("none", "every other"):
+    for name in ("none", "every other", "all, inputs on host"):
         for got, ref in zip(grads[name], grads["all"]):
             torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-9, msg=name)

@@ -42,13 +42,13 @@ def test_two_cards_are_never_slower_than_the_better_of_the_split_and_the_replica
 
 
 def test_a_model_no_card_holds_even_with_swap_is_split():
-    """FLUX.2 [dev] on two 11 GiB cards: one card cannot hold it even with every block swapped, so neither can
-    a replica; the split can. (Two 12 GB RTX 3060s each hold a replica: int8, 54 of 56 blocks swapped.)"""
-    plan = planned("flux2-dev-1024", ["11GiB", "11GiB"], 2)
+    """FLUX.2 [dev] on two 8 GiB cards: one card cannot hold it even with every block swapped, so neither can
+    a replica; the split can. (Two 9 GiB cards each hold a replica: fp8, 54 blocks swapped, inputs on host.)"""
+    plan = planned("flux2-dev-1024", ["8GiB", "8GiB"], 2)
     rows = {r["layout"]: r for r in plan.layouts}
     assert not plan.replicas and len(plan.stages) == 2
     assert rows["2 replicas"]["fits"] is False and rows["2 replicas"]["note"] == "does not fit"
-    assert rows["one card (11GiB)"]["predicted_step_s"] is None
+    assert rows["one card (8GiB)"]["predicted_step_s"] is None
 
 
 def test_host_memory_too_small_for_the_swapped_copy_makes_the_split_win():

@@ -52,6 +52,9 @@ class Workload:
     # Which blocks recompute their forward in backward (per-block checkpointing): all | none | auto (the
     # planner keeps the activations of the resident blocks the memory left over holds, ugpum.planning.plan).
     recompute: str = "all"
+    # The recomputed blocks' inputs wait for their backward in pinned host memory, one back on the GPU at a time:
+    # the planner's last resort where the GPU cannot hold them (long video clips), ugpum.compute.recompute
+    inputs_on_host: bool = False
     checkpointing: InitVar[bool | None] = None     # the older switch: true is recompute all, false none
 
     def __post_init__(self, checkpointing):

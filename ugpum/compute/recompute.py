@@ -1,7 +1,9 @@
 """Per-block recompute: keep only each block's input, and run the block's forward again in backward
-(torch's activation checkpointing, `torch.utils.checkpoint`, one block at a time)."""
+(torch's activation checkpointing, `torch.utils.checkpoint`, one block at a time); where the plan says so
+(`Workload.inputs_on_host`), the kept inputs wait for their backward in pinned host memory."""
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch.utils.checkpoint
@@ -9,8 +11,14 @@ from torch import nn
 
 from .inplace_guard import recompute_block
 
+# A saved tensor goes to host memory under `inputs_on_host` when it carries a gradient and is this large: the
+# hidden states between blocks (tens to hundreds of MiB); what every block shares (modulation, text, RoPE
+# tables: no gradient) stays where it is.
+HOST_MIN_BYTES = 4 * 1024 ** 2
 
-def recompute_blocks(model: nn.Module, block_paths: list[str]) -> callable:
+
+def recompute_blocks(model: nn.Module, block_paths: list[str], inputs_on_host: bool = False,
+                     device_types: tuple[str, ...] = ("cuda",)) -> callable:
     """Wrap each block's forward in `recompute_block`; returns a function that undoes it.
 
     Placement hooks run in `Module.__call__`, outside the wrapped forward, so routing happens once
@@ -18,12 +26,17 @@ def recompute_blocks(model: nn.Module, block_paths: list[str]) -> callable:
     A forward compiled by `ugpum.compute.compile` copies its inputs inside its graph and so never writes into
     them: it is recomputed as it is, without `recompute_block`'s eager copies (two per tensor
     argument and block, forward and recomputation).
+    `inputs_on_host`: each block's inputs that carry a gradient (`HOST_MIN_BYTES` or more) are saved to pinned
+    host memory when the block runs forward and come back to their device for its backward (`inputs_to_host`;
+    only from devices of `device_types`).
     """
     originals = {}
     for path in block_paths:
         block = model.get_submodule(path)
         originals[path] = inner = block.forward
         run = _recompute_as_is if getattr(inner, "_ugpum_compiled", False) else recompute_block
+        if inputs_on_host:
+            run = functools.partial(_on_host, run, device_types)
 
         @functools.wraps(inner)
         def wrapped(*args, _inner=inner, _run=run, **kwargs):
@@ -40,3 +53,38 @@ def recompute_blocks(model: nn.Module, block_paths: list[str]) -> callable:
 def _recompute_as_is(forward, *args, **kwargs):
     # kwargs stay in the closure so that block keywords never collide with checkpoint()'s own
     return torch.utils.checkpoint.checkpoint(lambda *a: forward(*a, **kwargs), *args, use_reentrant=False)
+
+
+def _on_host(run, device_types, forward, *args, **kwargs):
+    """`run(forward, ...)` with its tensor keywords passed by position (checkpoint saves its positional
+    inputs, which `inputs_to_host` then moves; keywords would stay in its closure on the GPU)."""
+    names = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
+    rest = {k: v for k, v in kwargs.items() if k not in names}
+
+    def positional(*a):
+        n = len(a) - len(names)
+        return forward(*a[:n], **rest, **dict(zip(names, a[n:])))
+    with inputs_to_host(device_types):
+        return run(positional, *args, *(kwargs[k] for k in names))
+
+
+@contextlib.contextmanager
+def inputs_to_host(device_types: tuple[str, ...] = ("cuda",)):
+    """Tensors with a gradient that autograd saves inside this context (a checkpointed block's hidden states)
+    wait in pinned host memory, copied out without waiting and back on the same stream when backward unpacks
+    them, so each copy is ordered after what wrote the tensor and before what reads it again."""
+    def pack(t: torch.Tensor):
+        small = t.numel() * t.element_size() < HOST_MIN_BYTES
+        if small or not t.requires_grad or t.device.type not in device_types:
+            return t
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.device.type == "cuda")
+        host.copy_(t, non_blocking=True)
+        return t.device, host
+
+    def unpack(packed):
+        if isinstance(packed, torch.Tensor):
+            return packed
+        device, host = packed
+        return host.to(device, non_blocking=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        yield

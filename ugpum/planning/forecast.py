@@ -97,8 +97,10 @@ def host_line(plan: Plan) -> str:
             if plan.runs_as == "one process" else ", each process with its own pinned copy of the blocks it swaps"
         return f"host memory: {plan.forecast_host_gib:.1f} GiB at the peak of training{held}"
     pinned = plan.swap_bytes_per_step / 2 / max(plan.grad_accum, 1) / GIB
-    held = f", {pinned:.1f} of it pinned copies of the swapped blocks" if pinned else ""
-    return f"host memory: {plan.forecast_host_gib:.1f} GiB at the peak of training{held}"
+    held = [f"{pinned:.1f} of it pinned copies of the swapped blocks"] if pinned else []
+    if plan.inputs_on_host_gib:
+        held.append(f"{plan.inputs_on_host_gib:.1f} the recomputed blocks' inputs")
+    return f"host memory: {plan.forecast_host_gib:.1f} GiB at the peak of training" + "".join(", " + h for h in held)
 
 
 def layouts_table(plan: Plan) -> list[str]:
@@ -120,6 +122,13 @@ def recompute_line(plan: Plan) -> str:
     """Which blocks keep their activations (are not recomputed in backward), what that holds and saves."""
     n = sum(s.blocks[1] - s.blocks[0] for s in plan.stages)
     kept, gib = len(plan.kept_activations), sum(s.kept_gib for s in plan.stages)
+    if plan.inputs_on_host_gib:
+        return (f"recompute {plan.recompute}: every block recomputed in backward, its input waiting in host "
+                f"memory until then ({plan.inputs_on_host_gib:.1f} GiB, copied out and back: "
+                f"+{plan.inputs_on_host_s:.2f} s/micro-batch): the GPU cannot hold them"
+                if kept == 0 else f"recompute {plan.recompute}: {kept} of {n} blocks keep their activations, the "
+                f"other {n - kept} hold their inputs in host memory ({plan.inputs_on_host_gib:.1f} GiB, "
+                f"+{plan.inputs_on_host_s:.2f} s/micro-batch): the GPU cannot hold them")
     if kept == 0:
         return f"recompute {plan.recompute}: every block recomputed in backward"
     saved = "" if is_cpu_run(plan) else f", {plan.recompute_saved_s:.2f} s/step saved"

@@ -71,6 +71,8 @@ class Plan:
     recompute: str = "all"              # the setting this plan was made for (ugpum.arch.base.RECOMPUTE_SETTINGS)
     recompute_saved_s: float = 0.0      # seconds per step the kept activations save against recompute all
     forecast_host_gib: float = 0.0      # the process's peak host memory (pinned swap copies included)
+    inputs_on_host_gib: float = 0.0     # the recomputed blocks' inputs held in host memory (Workload.inputs_on_host)
+    inputs_on_host_s: float = 0.0       # the seconds a micro-batch spends copying them out and back
     assumed: list[str] = field(default_factory=list)   # per device: the memory, speed and link the forecast takes
     # Replicas (ugpum.planning.space): several copies of the model side by side, each with its own plan over its
     # GPU(s) (`replicas`, in device order) training `shares` of the step's micro-batches, their LoRA gradients
@@ -109,6 +111,8 @@ class Layout:
     step_s: dict[str, list[float]]
     predicted_step_s: float
     recompute_saved_s: float
+    inputs_on_host_gib: float = 0.0
+    inputs_on_host_s: float = 0.0
 
     def fields(self) -> dict:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -150,6 +154,11 @@ class StageCosts:
         # per block, indexed by whether it is recomputed in backward (False: it keeps its activations)
         self.kept = {r: [cost.block_activation_bytes(spec, b, w, r) for b in spec.blocks] for r in (False, True)}
         self.extra = {r: [cost.block_peak_extra_bytes(spec, b, w, r) for b in spec.blocks] for r in (False, True)}
+        # inputs on host: a recomputed block keeps nothing on the GPU; its input comes back for its backward
+        self.on_host = self.kept[True] if w.inputs_on_host else [0.0] * len(spec.blocks)
+        if w.inputs_on_host:
+            self.extra[True] = [e + k for e, k in zip(self.extra[True], self.kept[True])]
+            self.kept[True] = [0.0] * len(spec.blocks)
         self.allocator = cost.allocator_bytes(spec, w)
         # recompute = auto keeps the largest savings first (the same order on every device: seconds scale
         # with 1 / its rate), among equal savings (FLUX.2's double and single blocks) the fewest bytes first
@@ -221,7 +230,9 @@ class StageCosts:
         compute = sum(s for s, _ in each)
         forward = sum(s * share for s, share in each)
         transfer = sum(self.weight[i] for i in offloaded) / (dev.host_gbps * 1e9)
-        return compute + max(0.0, transfer - forward) + max(0.0, transfer - (compute - forward))
+        # inputs on host: each recomputed block's input out in forward and back in backward, on the compute stream
+        inputs = 2 * sum(self.on_host[i] for i in range(a, b) if i not in kept) / (dev.host_gbps * 1e9)
+        return compute + inputs + max(0.0, transfer - forward) + max(0.0, transfer - (compute - forward))
 
     def _block_seconds_at(self, tflops: float) -> dict[bool, list[float]]:
         """Each block's seconds on a device of `tflops`, indexed by whether it is recomputed (asked once per rate:
@@ -400,13 +411,16 @@ def _solve(spec: ArchSpec, devices: list[Device], w: Workload, grad_accum: int, 
     def at_m(times):
         return times[kind][m - 1] if kind else min(times["sequential"][m - 1], times["pipelined"][m - 1])
     predicted = at_m(step_s)
-    pinned = sum(ev.weight[i] for i in offloaded)
+    on_host = [sum(ev.on_host[i] for i in range(*s.blocks) if i not in s.kept_activations) for s in stages]
+    pinned = sum(ev.weight[i] for i in offloaded) + ev.in_flight * sum(on_host)
     return Layout(stages=stages, offloaded_blocks=offloaded, boundary_mib=round(ev.hidden / MIB, 2),
                   forecast_host_gib=round(cost.host_bytes(spec, pinned) / GIB, 2),
                   crossing_bytes_per_step=per_mb_crossing * grad_accum + shared,
                   swap_bytes_per_step=2 * sum(ev.weight[i] for i in offloaded) * grad_accum,
                   step_s=step_s, predicted_step_s=predicted,
-                  recompute_saved_s=at_m(recomputing) - predicted)
+                  recompute_saved_s=at_m(recomputing) - predicted,
+                  inputs_on_host_gib=round(ev.in_flight * sum(on_host) / GIB, 2),
+                  inputs_on_host_s=sum(2 * b / (d.host_gbps * 1e9) for b, d in zip(on_host, devices)))
 
 
 def make_plan(spec: ArchSpec, devices: list[Device], w: Workload, grad_accum: int = 1,
@@ -429,17 +443,38 @@ def _arranged(spec, devices, w, grad_accum, in_flight, split, kind: str | None =
     return layout
 
 
-def _scheduled(spec, devices, w, grad_accum, schedule, split) -> tuple[Layout, str, int]:
-    """(layout, schedule, micro-batches in flight): `schedule` "auto" takes the fastest order for the
-    split, and the layout counts the activations of every micro-batch that order keeps in flight; its step
-    forecast is that order's (a split that swaps blocks runs its micro-batches one after another)."""
-    layout = _arranged(spec, devices, w, grad_accum, 1, split)
+def _scheduled(spec, devices, w, grad_accum, schedule, split) -> tuple[Layout, str, int, Workload]:
+    """(layout, schedule, micro-batches in flight, the workload planned): `schedule` "auto" takes the fastest
+    order for the split, and the layout counts the activations of every micro-batch that order keeps in flight;
+    its step forecast is that order's (a split that swaps blocks runs its micro-batches one after another).
+    Where the GPUs cannot hold the recomputed blocks' inputs even with every block swapped, they wait in host
+    memory (`Workload.inputs_on_host`) if that fits."""
+    try:
+        layout = _arranged(spec, devices, w, grad_accum, 1, split)
+    except PlanError:
+        on_host = _inputs_on_host(w)
+        if on_host is None or _solve(spec, devices, on_host, grad_accum, 1, split) is None:
+            raise
+        return _scheduled(spec, devices, on_host, grad_accum, schedule, split)
     chosen = best_schedule(layout, grad_accum) if schedule == "auto" else schedule
     held = held_in_flight(chosen, len(devices), grad_accum)
     kind = "sequential" if chosen == "sequential" else "pipelined"
     if held > 1 or layout.step_s[kind][max(grad_accum, 1) - 1] != layout.predicted_step_s:
         layout = _arranged(spec, devices, w, grad_accum, held, split, kind)
-    return layout, chosen, held
+    return layout, chosen, held, w
+
+
+def _inputs_on_host(w: Workload) -> Workload | None:
+    """`w` with the recomputed blocks' inputs in host memory, the last resort (None: it has them there, or
+    recomputes nothing)."""
+    return None if w.recompute == "none" or w.inputs_on_host else dataclasses.replace(w, inputs_on_host=True)
+
+
+def _fits(spec, devices, w, grad_accum, in_flight, split=None) -> Layout | None:
+    """The best layout of `w`, or of it with the inputs in host memory where only that fits; None if neither."""
+    layout = _solve(spec, devices, w, grad_accum, in_flight, split)
+    on_host = _inputs_on_host(w) if layout is None else None
+    return layout if on_host is None else _solve(spec, devices, on_host, grad_accum, in_flight, split)
 
 
 def _plan(spec, devices, w, grad_accum, layout: Layout, schedule: str, in_flight: int, note: str = "",
@@ -447,7 +482,7 @@ def _plan(spec, devices, w, grad_accum, layout: Layout, schedule: str, in_flight
     """The Plan of a layout, with the choices made for it, its one-GPU swap comparison and its verdict."""
     swap = None
     if len(devices) > 1:
-        one = _solve(spec, devices[:1], w, grad_accum, in_flight)
+        one = _fits(spec, devices[:1], w, grad_accum, in_flight)
         if one is not None:
             swap = {"device": devices[0].label, "offloaded_blocks": one.offloaded_blocks,
                     "forecast_gib": one.stages[0].forecast_gib, "predicted_step_s": one.predicted_step_s,
@@ -481,7 +516,7 @@ def plan_training(spec: ArchSpec, devices: list[Device], w: Workload, grad_accum
     if w.base_compute == AUTO:
         return choose_base_compute(spec, devices, w, grad_accum, schedule, split, listed)
     _check_tensor_cores(w.base_compute, devices)
-    layout, chosen, held = _scheduled(spec, devices, w, grad_accum, schedule, split)
+    layout, chosen, held, w = _scheduled(spec, devices, w, grad_accum, schedule, split)
     return _plan(spec, devices, w, grad_accum, layout, chosen, held,
                  alternatives=_alternatives_to(w, layout, spec, devices, grad_accum, schedule, split, listed))
 
@@ -571,7 +606,7 @@ def _alternative(mode, layout: Layout) -> dict:
 def _quantised_alternatives(spec, devices, w, grad_accum, schedule, split) -> list[dict]:
     """The quantised plans the devices can run, as rows."""
     planned = _planned_in(devices_modes(devices), spec, devices, w, grad_accum, schedule, split)
-    return [_alternative(mode, layout) for mode, (layout, _, _) in planned.items()]
+    return [_alternative(mode, layout) for mode, (layout, *_) in planned.items()]
 
 
 def choose_base_compute(spec: ArchSpec, devices: list[Device], w: Workload, grad_accum: int = 1,
@@ -591,15 +626,15 @@ def choose_base_compute(spec: ArchSpec, devices: list[Device], w: Workload, grad
         raise exact_error
     # (the exact base is planned first, so min keeps it on a tie)
     fastest = min(planned, key=lambda mode: planned[mode][0].predicted_step_s)
-    layout, chosen, held = planned[fastest]
+    layout, chosen, held, planned_w = planned[fastest]
     others = [_alternative(mode, planned[mode][0]) for mode in planned if mode is not fastest] if listed else []
-    return _plan(spec, devices, workload_in_mode(w, fastest.name), grad_accum, layout, chosen, held,
+    return _plan(spec, devices, planned_w, grad_accum, layout, chosen, held,
                  "base compute auto: " + _auto_reason(fastest, planned, runs), others)
 
 
 def _auto_reason(fastest, planned: dict, runs) -> str:
     """Auto's choice in words: the mode, and why (its forecast against the exact base's)."""
-    step = {mode: layout.predicted_step_s for mode, (layout, _, _) in planned.items()}
+    step = {mode: layout.predicted_step_s for mode, (layout, *_) in planned.items()}
     exact = EXACT.name
     if EXACT not in planned:
         return (f"{fastest.name} ({exact} does not fit even with block swap; {fastest.name} forecasts "
@@ -671,7 +706,7 @@ def host_shortfall(layout: Layout, base_compute: str, devices: list[Device]) -> 
 
 def _explain_failure(spec, devices, w, grad_accum, in_flight) -> str:
     pooled = sum(max(budget_bytes(d), 0) for d in devices) / GIB
-    ev = StageCosts(spec, devices, w, in_flight)
+    ev = StageCosts(spec, devices, _inputs_on_host(w) or w, in_flight)
     # The least any device must hold even with every block streamed: embedders, LoRA, activations.
     floor = min(sum(ev._memory(0, 0, len(spec.blocks), tuple(range(len(spec.blocks)))).values()),
                 sum(ev._memory(len(devices) - 1, 0, len(spec.blocks), tuple(range(len(spec.blocks)))).values()))
@@ -693,7 +728,7 @@ def _explain_failure(spec, devices, w, grad_accum, in_flight) -> str:
     for more in (1, 2, 3):
         variants.append((f"{more} more GPU(s) like {largest.label}", w, devices + [largest] * more))
     for label, w2, devs in variants:
-        if _solve(spec, devs, w2, grad_accum, in_flight) is not None:
+        if _fits(spec, devs, w2, grad_accum, in_flight) is not None:
             tries.append(label)
             if devs is not devices:
                 break                     # name only the fewest extra GPUs that would do
@@ -715,7 +750,7 @@ def _what_would_fit(spec, devices, w, grad_accum, in_flight) -> str:
         def fits(gib: int) -> bool:
             sized = [dataclasses.replace(d, label=f"{gib}GiB", torch_device=None, total_bytes=gib * GIB,
                                          free_bytes=gib * GIB) for d in devices]
-            return _solve(spec, sized, w2, grad_accum, in_flight) is not None
+            return _fits(spec, sized, w2, grad_accum, in_flight) is not None
         if not fits(LARGEST_GPU_GIB):
             return None
         low, high = 1, LARGEST_GPU_GIB                  # memory only helps: bisect for the first size that fits

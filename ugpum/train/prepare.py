@@ -77,9 +77,11 @@ def make_trainable(cfg: TrainConfig, plan: Plan, spec, model, block_paths: list[
     recomputed = recomputed_paths(plan, spec, block_paths)
     guards = guard_inplace_residuals(model, include_rms=False)
     undo_compile = compile_blocks(model, block_paths, cfg.compile, log)
-    undo_recompute = recompute_blocks(model, recomputed)
-    log(f"recompute: {len(recomputed)} of {len(block_paths)} blocks recomputed in backward, the rest keep their "
-        "activations" if len(recomputed) < len(block_paths) else "recompute: every block recomputed in backward")
+    on_host = plan.workload.get("inputs_on_host", False)
+    undo_recompute = recompute_blocks(model, recomputed, inputs_on_host=on_host)
+    log((f"recompute: {len(recomputed)} of {len(block_paths)} blocks recomputed in backward, the rest keep their "
+         "activations" if len(recomputed) < len(block_paths) else "recompute: every block recomputed in backward")
+        + (", the recomputed blocks' inputs waiting in host memory" if on_host else ""))
 
     def undo():
         undo_recompute()
