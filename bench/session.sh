@@ -24,6 +24,8 @@
 #   cards       klein 9B, base compute auto + recompute auto, as the cards people own (CARDS: sizes in GiB,
 #               `whole`, or CARD:VARIANT neighbours of the planner's pick: kept+2 swapped-2 ...)
 #   wan-cards   Wan 2.1 14B (640² x 17 frames, rank 32) on 16 and 24 GiB cards, as planned
+#   wan-long    Wan 2.1 14B, 81 frames of the clips (832x480 buckets at 640²) on a 24 GiB card as planned (its
+#               recomputed blocks' inputs wait in host memory: Workload.inputs_on_host)
 #   dev-card    FLUX.2 [dev] 32B, fp8 weights, on a 24 GiB card as planned (base compute and recompute auto)
 #   fit         what the planner's memory and time model is fitted to (bench/calibration_fit.py reads the rows;
 #               FITS: which of none-bf16 none-fp8 none-int8 none-bf16-eager 8 16 wan, all by default)
@@ -142,6 +144,14 @@ for s in $sections; do
     for card in 16 24; do
       case_row wan-$card "$COMFYUI_PATH" $wan_args --card-gib $card --recompute auto --steps 12 --choice planner
     done ;;
+  wan-long) model_file $w14 wan2.1-14b    # 81 frames: the clips' 33 frames over again (needs the CLIPS pack)
+    long=/tmp/loranne_frames81
+    for d in "$clips"/*/; do
+      n=$(basename "$d"); files=("$d"*.jpg); mkdir -p "$long/$n" && cp "$clips/$n.txt" "$long/"
+      for k in $(seq 0 80); do cp "${files[$((k % ${#files[@]}))]}" "$long/$n/$(printf %04d $((k + 1))).jpg"; done
+    done
+    CASE_S=${LONG_S:-420} RESERVE_S=${LONG_S:-420} case_row wan-long-24 "$COMFYUI_PATH" --model-file $w14 \
+      --resolution 640 --frames 81 --rank 32 --dataset $long --card-gib 24 --recompute auto --steps 8 --choice planner ;;
   dev-card) rm -f $w14 /tmp/k9-base.safetensors     # the disk (64 GiB) holds klein's and this 30 GiB file, no more
     model_file /tmp/f2d.safetensors flux2-dev fp8
     case_row dev-24 "$COMFYUI_PATH" --model-file /tmp/f2d.safetensors --weight-dtype fp8 --card-gib 24 \
