@@ -146,6 +146,7 @@ for s in $sections; do
     done ;;
   wan-long) model_file $w14 wan2.1-14b    # 81 frames: the clips' 33 frames over again (needs the CLIPS pack)
     long=/tmp/loranne_frames81
+    ls -d "$clips"/*/ > /dev/null 2>&1 || { echo "skipped wan-long: the clips are no frame folders (CLIPS=1 pack)" | tee -a "$log"; continue; }
     for d in "$clips"/*/; do
       n=$(basename "$d"); files=("$d"*.jpg); mkdir -p "$long/$n" && cp "$clips/$n.txt" "$long/"
       for k in $(seq 0 80); do cp "${files[$((k % ${#files[@]}))]}" "$long/$n/$(printf %04d $((k + 1))).jpg"; done

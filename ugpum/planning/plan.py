@@ -586,7 +586,7 @@ def workload_in_mode(w: Workload, mode: str) -> Workload:
 
 
 def _planned_in(candidates, spec, devices, w, grad_accum, schedule, split) -> dict:
-    """{mode: (layout, schedule, in flight)} for each of the `candidates` modes that fits the devices."""
+    """{mode: (layout, schedule, in flight, workload planned)} for each of the `candidates` modes that fits."""
     planned = {}
     for mode in candidates:
         try:
