@@ -18,6 +18,7 @@
 #               all; ours' timeline kept too)
 #   eight-bit   ours with the int8 and the fp8 base (recompute all) under inductor's GEMM autotuning
 #               (bench/cards.py --experiment gemm-autotune: the rescale in the matmul's epilogue)
+#   trace       the peer, then ours in bf16 and fp8 (recompute all) with their kernel tables and timelines
 #   judge       the peer, then ours in each base-compute mode and recompute setting (issue 41's rows; the
 #               8-bit modes' kernel tables kept)
 #   wan-judge   Wan 2.1 14B at 640² x 17 frames: a diffusers + PEFT peer (bench/peer_wan.py), then ours
@@ -126,6 +127,10 @@ for s in $sections; do
     for m in fp8 int8; do PROFILE=1 case_row judge-$m-all "$COMFYUI_PATH" $ours --base-compute $m --recompute all; done
     for m in bf16 fp8; do case_row judge-$m-auto "$COMFYUI_PATH" $ours --base-compute $m --recompute auto; done
     case_row judge-bf16-auto-24 "$COMFYUI_PATH" $ours --base-compute bf16 --recompute auto --card-gib 24 ;;
+  trace) model_file $k9 flux2-klein-9b      # the peer, then ours with the timeline (where the GPU waits for the host)
+    [ -n "${peer_done:-}" ] || peer judge-peer .carry/peer_reference.py --steps 8
+    peer_done=1
+    for m in bf16 fp8; do PROFILE=1 TRACE=1 case_row trace-$m-all "$COMFYUI_PATH" $ours --base-compute $m --recompute all; done ;;
   wan-judge) model_file $w14 wan2.1-14b
     peer wan-peer bench/peer_wan.py --width 640 --height 640 --frames 17
     case_row wan-bf16-all "$COMFYUI_PATH" $wan_args --steps 8 --base-compute bf16 --recompute all ;;

@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from comfy_bridge import find_comfyui
 from ugpum.train.run.checkpoint import latest_checkpoint
@@ -177,39 +176,47 @@ HOST_READS = ("item", "tolist", "__float__", "__bool__", "__int__", "__index__")
 def test_a_step_reads_the_device_once_however_many_lora_modules_and_micro_batches(tmp_path, monkeypatch):
     """Reading a tensor's value on the host (item, float, bool, int, tolist) is a host sync on a GPU: the host
     waits until the GPU's queue drains. A step reads its micro-batches' losses and its gradients' norm once,
-    together, whatever the LoRA's size. Not counted: AdamW's step counters, which torch keeps on the host even
-    beside CUDA parameters (reading them is no sync; 2 a parameter a step in its foreach path)."""
-    optimizers, sites, counting = [], [], [False]
+    together, whatever the LoRA's size. The optimizer reads nothing: its fused kernel keeps the step counts beside
+    the parameters (the unfused AdamW reads 2 a parameter a step, from the host, where it keeps them)."""
+    sites, counting = [], [False]
 
     def counted(name):
         original = getattr(torch.Tensor, name)
 
         def read(self, *args, **kwargs):
-            if counting[0] and not any(self is state.get("step") for o in optimizers for state in o.state.values()):
+            if counting[0]:
                 frame = traceback.extract_stack(limit=2)[0]
                 sites.append(f"{name} at {Path(frame.filename).name}:{frame.lineno}")
             return original(self, *args, **kwargs)
         monkeypatch.setattr(torch.Tensor, name, read)
     for name in HOST_READS:
         counted(name)
-    seen = register_optimizer_step_pre_hook(lambda o, *_: None if o in optimizers else optimizers.append(o))
 
     def on_step(step, steps, _loss):              # the reads of steps 2..4, not the saves and validation after
         counting[0] = step < steps
     reads = {}
-    try:
-        for targets in ([], ["img_attn.qkv"]):    # every Linear (22), then 2
-            sites.clear()
-            # 4 steps of 2 micro-batches stay in the first epoch of 10 items, whose shuffle is drawn before them
-            result = train(cfg(steps=4, grad_accum=2, save_every=0, targets=targets), tmp_path / str(len(targets)),
-                           on_step=on_step, **QUIET)
-            assert result.steps_done == 4
-            reads[sum(".lora_A." in k for k in lora_tensors(result.lora_path))] = list(sites)
-    finally:
-        seen.remove()
+    for targets in ([], ["img_attn.qkv"]):        # every Linear (22), then 2
+        sites.clear()
+        # 4 steps of 2 micro-batches stay in the first epoch of 10 items, whose shuffle is drawn before them
+        result = train(cfg(steps=4, grad_accum=2, save_every=0, targets=targets), tmp_path / str(len(targets)),
+                       on_step=on_step, **QUIET)
+        assert result.steps_done == 4
+        reads[sum(".lora_A." in k for k in lora_tensors(result.lora_path))] = list(sites)
     assert len(reads) == 2                         # two LoRA sizes
     for modules, found in reads.items():
         assert len(found) == 3, f"{modules} LoRA modules: {len(found)} host reads in 3 steps: {found}"
+
+
+def test_a_steps_first_inputs_are_made_before_the_step_before_waits_for_the_device(tmp_path, monkeypatch):
+    """The loop asks for the next step's first micro-batch before the step's one host sync (`check_step`), so the
+    host draws its noise and sends it to the GPU while the GPU still runs the step; the step then takes those
+    inputs instead of making them again."""
+    from ugpum.train import loop, stepper
+    events, make, check = [], stepper.micro_batch_inputs, loop.check_step
+    monkeypatch.setattr(stepper, "micro_batch_inputs", lambda *a, **kw: events.append(f"made {a[4]}") or make(*a, **kw))
+    monkeypatch.setattr(loop, "check_step", lambda step, *a: events.append(f"sync {step}") or check(step, *a))
+    train(cfg(steps=3, grad_accum=2, save_every=0), tmp_path, **QUIET)
+    assert events == ["made 0", "made 1", "made 2", "sync 1", "made 3", "made 4", "sync 2", "made 5", "sync 3"]
 
 
 def test_second_run_hits_the_cache(tmp_path):

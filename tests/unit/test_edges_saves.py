@@ -240,3 +240,32 @@ def test_an_optimizer_state_holding_nan_is_never_saved(tmp_path):
     with pytest.raises(NonFinite, match="not saved, the optimizer's state holds NaN or infinite values"):
         save_checkpoint(tmp_path, 1, lora, optimizer, {})
     assert latest_checkpoint(tmp_path) is None
+
+
+@pytest.mark.parametrize("fused_before, fused_after", [(False, True), (True, False)])
+def test_a_checkpoint_resumes_with_the_other_adamw_kernel_on_the_same_path(tmp_path, fused_before, fused_after):
+    """The fused AdamW (what training takes since 2026-12-07) and the unfused one (checkpoints before it) read
+    each other's checkpoints: each keeps its own kernel, its step counts where it keeps them, and two more
+    steps give the LoRA of the run that never stopped."""
+    def run(fused):
+        model, lora, _ = a_lora()
+        optimizer = torch.optim.AdamW([p for _, a in lora.items() for p in (a.A, a.B)], lr=1e-3, fused=fused)
+        return model, lora, optimizer
+    torch.manual_seed(0)
+    model, lora, optimizer = run(fused_before)
+    for _ in range(3):
+        one_step(model, optimizer)
+    folder = save_checkpoint(tmp_path, 3, lora, optimizer, {})
+    rng = torch.get_rng_state()
+    for _ in range(2):
+        one_step(model, optimizer)
+    model2, lora2, resumed = run(fused_after)
+    model2.load_state_dict(model.state_dict())                  # the same frozen base
+    load_checkpoint(folder, lora2, resumed)
+    torch.set_rng_state(rng)                                    # the same two batches
+    assert resumed.param_groups[0]["fused"] is fused_after
+    assert all(isinstance(s["step"], torch.Tensor) and float(s["step"]) == 3 for s in resumed.state.values())
+    for _ in range(2):
+        one_step(model2, resumed)
+    for (_, a), (_, b) in zip(lora.items(), lora2.items()):
+        torch.testing.assert_close(b.B, a.B, rtol=1e-6, atol=1e-8)

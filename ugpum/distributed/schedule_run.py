@@ -61,7 +61,7 @@ def run_schedule(run, cfg, spec, stages: list[nn.Module], top: Topology, schedul
     kwarg_mbs, target_mbs = [], []
     for k, picked in run:
         x0, noise, t, context = micro_batch_inputs(cfg, spec, [latents[i] for i in picked],
-                                                   [contexts[i] for i in picked], k)
+                                                   [contexts[i] for i in picked], k, device)
         kwarg_mbs.append(model_inputs(cfg, spec, x0, noise, t, context, device))
         target_mbs.append(torch.cat([x0.flatten(1), noise.flatten(1), t.float()[:, None]], dim=1).to(device))
     last = top.n_stages - 1 in top.stage_ids

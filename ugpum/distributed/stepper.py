@@ -48,7 +48,7 @@ from ..planning.devices import resolve_devices
 from ..compute.dtypes import TORCH_DTYPES
 from ..planning.plan import PlanError
 from ..placement.schedules import rank_stages, schedule_kind, stages_per_rank
-from ..train.run.checkpoint import load_checkpoint
+from ..train.run.checkpoint import load_checkpoint, restore_optimizer
 from ..train.config import TrainConfig
 from ..train.errors import TrainingError
 from ..train.prepare import make_trainable, quantiser
@@ -204,11 +204,8 @@ class TorchrunRankStepper:
         with torch.no_grad():
             for name, p in lora_params(self.lora):
                 p.copy_(resumed["weights"][name].to(p.device))
-                if name in resumed["optimizer"]:
-                    optimizer.state[p] = {k: (v.to(p.device) if v.dim() else v.clone())
-                                          for k, v in resumed["optimizer"][name].items()}
-        for group, saved in zip(optimizer.param_groups, resumed["param_groups"]):
-            group.update(saved)
+        restore_optimizer(optimizer, {p: resumed["optimizer"][name] for name, p in lora_params(self.lora)
+                                      if name in resumed["optimizer"]}, resumed["param_groups"])
 
     # -- each step ---------------------------------------------------------------------------
     def forward_backward(self, ks: list[int], features, micro_batches) -> float:
@@ -222,6 +219,10 @@ class TorchrunRankStepper:
                                  features.latents, features.contexts, self.gradients)
         self.gradients.reduce()
         return loss
+
+    def prepare_inputs(self, k: int, features, micro_batches) -> None:
+        """Nothing ahead: a rank reads each run's losses as its schedule ends (`run_schedule`), a host sync
+        per run of micro-batches, so inputs made early would not keep its GPU busier."""
 
     def clip(self, max_norm: float) -> None:
         clip_pipeline(self.params, max_norm, self.top)
@@ -281,10 +282,8 @@ def _assemble(cfg, spec, gathered: list[dict]):
         for part in gathered:
             for n, t in part["weights"].items():
                 by_name[n].copy_(t)
-            for n, state in part["optimizer"].items():
-                full_opt.state[by_name[n]] = state
-    for group, saved in zip(full_opt.param_groups, gathered[0]["param_groups"]):
-        group.update(saved)
+    restore_optimizer(full_opt, {by_name[n]: state for part in gathered for n, state in part["optimizer"].items()},
+                      gathered[0]["param_groups"])
     return full, full_opt
 
 

@@ -68,6 +68,10 @@ class Stepper(Protocol):
         order; this process's part of the step's loss (each micro-batch's mean loss / grad_accum): a number,
         or those losses as tensors still on their devices, which `divergence.check_step` reads and sums."""
 
+    def prepare_inputs(self, k: int, features: Features, micro_batches: MicroBatches) -> None:
+        """Make micro-batch k's inputs now, ahead of its step: the loop asks for the next step's first while the
+        GPUs still run this step (the engine may also do nothing and make them in their turn)."""
+
     def clip(self, max_norm: float) -> None:
         """Clip the gradients of the whole LoRA to `max_norm` (their norm over every process)."""
 

@@ -13,7 +13,7 @@ from contextlib import AbstractContextManager
 import torch
 
 from .run.checkpoint import load_checkpoint
-from .objective import micro_loss, validation_loss
+from .objective import InputsAhead, loss_at, micro_batch_inputs, validation_loss
 from .prepare import plan_for
 from .replicas import Replicas, place_replicas
 from .run.folder import save_run
@@ -48,6 +48,7 @@ class OneProcessStepper:
         self.model, self.lora, self.layout = lead.model, lead.lora, lead.layout
         self.params = lead.params
         self.devices = self.replicas.devices
+        self.ahead = InputsAhead()
         if plan.replicas:
             log(f"replicas: {len(plan.replicas)} in one process, micro-batches per step "
                 f"{'/'.join(map(str, plan.shares))}, LoRA gradients summed on the first")
@@ -66,10 +67,20 @@ class OneProcessStepper:
         cfg = self.cfg
 
         def one(replica, k: int) -> torch.Tensor:
-            picked = micro_batches(k)
-            return micro_loss(replica.model, self.spec, cfg, [features.latents[i] for i in picked],
-                              [features.contexts[i] for i in picked], k, replica.layout.first) / cfg.grad_accum
+            first = replica.layout.first
+            inputs = self.ahead.take(k, first, lambda: self._inputs(features, micro_batches, k, first))
+            return loss_at(replica.model, self.spec, cfg, *inputs, first, cfg.weighting) / cfg.grad_accum
         return self.replicas.step(ks, one)
+
+    def prepare_inputs(self, k: int, features, micro_batches) -> None:
+        """Micro-batch k's inputs made now, on the lead replica's first device (it runs a step's first micro-batch)."""
+        first = self.layout.first
+        self.ahead.prepare(k, first, lambda: self._inputs(features, micro_batches, k, first))
+
+    def _inputs(self, features, micro_batches, k: int, device) -> tuple:
+        picked = micro_batches(k)
+        return micro_batch_inputs(self.cfg, self.spec, [features.latents[i] for i in picked],
+                                  [features.contexts[i] for i in picked], k, device)
 
     def clip(self, max_norm: float) -> None:
         torch.nn.utils.clip_grad_norm_(self.params, max_norm)

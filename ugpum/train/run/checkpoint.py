@@ -312,11 +312,27 @@ def load_checkpoint(folder: Path, lora: LoraSet, optimizer: torch.optim.Optimize
     with torch.no_grad():
         for name, p in params:
             p.copy_(weights[name].to(p.device, p.dtype))
-    by_name = dict(params)
+    by_name, states = dict(params), {}
     for key, value in opt.items():
         name, _, k = key.partition("::")
-        p = by_name[name]
-        optimizer.state[p][k] = value.to(p.device) if value.dim() else value.clone()
-    for group, saved in zip(optimizer.param_groups, state["param_groups"]):
-        group.update(saved)
+        states.setdefault(by_name[name], {})[k] = value
+    restore_optimizer(optimizer, states, state["param_groups"])
     return state
+
+
+# How an optimizer computes, not what it trains: a checkpoint written with one way resumes with another (the
+# run keeps its own: `make_optimizer` takes the fused kernel where torch has it; checkpoints before it had none).
+_HOW = ("fused", "foreach", "capturable", "differentiable")
+
+
+def restore_optimizer(optimizer: torch.optim.Optimizer, states: dict, saved_groups: list[dict]) -> None:
+    """The saved param groups' settings and each parameter's saved state (`states`: parameter -> its state)
+    into `optimizer`, every tensor where it keeps them: on the parameter's device, and the step count
+    there too where it is fused or capturable (elsewhere on the host, as torch keeps it)."""
+    for group, saved in zip(optimizer.param_groups, saved_groups):
+        group.update({k: v for k, v in saved.items() if k not in _HOW})
+        steps_on_device = bool(group.get("fused") or group.get("capturable"))
+        for p in group["params"]:
+            if p in states:
+                optimizer.state[p] = {k: v.to(p.device) if v.dim() or steps_on_device else v.clone()
+                                      for k, v in states[p].items()}
