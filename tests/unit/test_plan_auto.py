@@ -47,7 +47,7 @@ def test_auto_takes_the_cards_8bit_mode_where_bf16_would_swap():
 
 def test_a_bf16_plan_with_swap_lists_the_8bit_plans_the_card_can_run():
     text = format_plan(_plan("rtx4070", "bf16"))
-    assert "with base compute fp8:" in text and "with base compute int8:" in text and "cosine 0.9985" in text
+    assert "with base compute fp8:" in text and "with base compute int8:" in text and "cosine 0.99802" in text
     ampere = format_plan(_plan("rtx3060", "bf16"))
     assert "with base compute int8:" in ampere and "with base compute fp8" not in ampere   # no fp8 cores
 
