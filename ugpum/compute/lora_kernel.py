@@ -1,0 +1,73 @@
+"""The LoRA's up-projection added into its layer's output in one pass: `out + scale * (h @ B^T)`, with h = x @ A^T
+[M, r] and B [N, r]. On CUDA one Triton kernel does it: each tile of the output is read once and written once,
+and the rank-r product comes from the tensor cores. As two ops (a matmul, then the add) the product's [M, N]
+result is written, read again and added in a pass of its own: 17.5 ms of a klein 9B step for single-block
+linear1's [4608, 36864] output alone (bench/results/README.md, the fourth call set of 2026-12-07). Elsewhere (the
+CPU, no Triton) the op is those two PyTorch ops. A custom op (`torch.library.triton_op`), so compiled blocks
+trace it as it is and autograd takes its backward from here: the two small matmuls of the plain form."""
+from __future__ import annotations
+
+import torch
+from torch.library import triton_op, wrap_triton
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:                      # (a CPU-only install: the PyTorch form everywhere)
+    triton = None
+
+TILE_M, TILE_N, TILE_R = 128, 128, 16
+
+if triton is not None:
+    @triton.jit
+    def _add_up_projection(out_ptr, h_ptr, b_ptr, y_ptr, M, N, R, scale,
+                           s_om, s_on, s_hm, s_hr, s_bn, s_br, s_ym, s_yn,
+                           BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr):
+        rm = tl.program_id(0) * BM + tl.arange(0, BM)
+        rn = tl.program_id(1) * BN + tl.arange(0, BN)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for r0 in range(0, R, BR):
+            rr = r0 + tl.arange(0, BR)
+            h = tl.load(h_ptr + rm[:, None] * s_hm + rr[None, :] * s_hr,
+                        mask=(rm[:, None] < M) & (rr[None, :] < R), other=0.0)
+            b = tl.load(b_ptr + rn[None, :] * s_bn + rr[:, None] * s_br,
+                        mask=(rn[None, :] < N) & (rr[:, None] < R), other=0.0)
+            acc += tl.dot(h, b)
+        inside = (rm[:, None] < M) & (rn[None, :] < N)
+        o = tl.load(out_ptr + rm[:, None] * s_om + rn[None, :] * s_on, mask=inside, other=0.0)
+        y = o.to(tl.float32) + acc * scale
+        tl.store(y_ptr + rm[:, None] * s_ym + rn[None, :] * s_yn, y.to(y_ptr.dtype.element_ty), mask=inside)
+
+
+def runs_kernel(out: torch.Tensor) -> bool:
+    """Whether `add_up_projection` takes the Triton kernel for this output (CUDA, Triton installed)."""
+    return triton is not None and out.device.type == "cuda"
+
+
+@triton_op("ugpum::add_up_projection", mutates_args=())
+def add_up_projection(out: torch.Tensor, h: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    """out [M, N] + scale * (h [M, r] @ b [N, r]^T), in out's dtype (h and b in one dtype)."""
+    if not runs_kernel(out):
+        return out + (h @ b.t()).to(out.dtype) * scale
+    y = torch.empty_like(out)
+    (m, n), r = out.shape, h.shape[1]
+    grid = (triton.cdiv(m, TILE_M), triton.cdiv(n, TILE_N))
+    wrap_triton(_add_up_projection)[grid](out, h, b, y, m, n, r, scale, *out.stride(), *h.stride(), *b.stride(),
+                                          *y.stride(), BM=TILE_M, BN=TILE_N, BR=TILE_R)
+    return y
+
+
+def _keep(ctx, inputs, output):
+    _, h, b, scale = inputs
+    ctx.save_for_backward(h, b)
+    ctx.scale = scale
+
+
+def _backward(ctx, grad):
+    h, b = ctx.saved_tensors
+    grad_h = (grad.to(b.dtype) @ b) * ctx.scale
+    grad_b = (grad.t().to(h.dtype) @ h) * ctx.scale
+    return grad, grad_h, grad_b, None
+
+
+add_up_projection.register_autograd(_backward, setup_context=_keep)
