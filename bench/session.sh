@@ -20,7 +20,8 @@
 #               (bench/cards.py --experiment gemm-autotune: the rescale in the matmul's epilogue)
 #   trace       the peer, then ours in bf16 and fp8 (recompute all) with their kernel tables and timelines
 #   judge       the peer, then ours in each base-compute mode and recompute setting (issue 41's rows; the
-#               8-bit modes' kernel tables kept)
+#               8-bit modes' kernel tables kept; JUDGE_8BIT: which 8-bit modes, JUDGE_KERNEL: the modes also run
+#               with the LoRA kernel, --experiment lora-kernel)
 #   wan-judge   Wan 2.1 14B at 640² x 17 frames: a diffusers + PEFT peer (bench/peer_wan.py), then ours
 #   cards       klein 9B, base compute auto + recompute auto, as the cards people own (CARDS: sizes in GiB,
 #               `whole`, or CARD:VARIANT neighbours of the planner's pick: kept+2 swapped-2 ...)
@@ -124,7 +125,10 @@ for s in $sections; do
     [ -n "${peer_done:-}" ] || peer judge-peer .carry/peer_reference.py --steps 8
     case_row judge-bf16-all "$COMFYUI_PATH" $ours --base-compute bf16 --recompute all
     # (the 8-bit rows' kernel tables too: their median step is of 8, two of them profiled)
-    for m in fp8 int8; do PROFILE=1 case_row judge-$m-all "$COMFYUI_PATH" $ours --base-compute $m --recompute all; done
+    for m in ${JUDGE_8BIT:-fp8 int8}; do PROFILE=1 case_row judge-$m-all "$COMFYUI_PATH" $ours --base-compute $m --recompute all; done
+    for m in ${JUDGE_KERNEL:-}; do           # the same with an experiment (bench/cards.py --experiment)
+      case_row judge-$m-all-lora-kernel "$COMFYUI_PATH" $ours --base-compute $m --recompute all --experiment lora-kernel
+    done
     for m in bf16 fp8; do case_row judge-$m-auto "$COMFYUI_PATH" $ours --base-compute $m --recompute auto; done
     case_row judge-bf16-auto-24 "$COMFYUI_PATH" $ours --base-compute bf16 --recompute auto --card-gib 24 ;;
   trace) model_file $k9 flux2-klein-9b      # the peer, then ours with the timeline (where the GPU waits for the host)
