@@ -21,22 +21,19 @@ TILE_M, TILE_N, TILE_R = 128, 128, 16
 if triton is not None:
     @triton.jit
     def _add_up_projection(out_ptr, h_ptr, b_ptr, y_ptr, M, N, R, scale,
-                           s_om, s_on, s_hm, s_hr, s_bn, s_br, s_ym, s_yn,
                            BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr):
+        # y = out + scale * h @ b^T, all four row-major and contiguous: out, y [M, N]; h [M, R]; b [N, R]
         rm = tl.program_id(0) * BM + tl.arange(0, BM)
         rn = tl.program_id(1) * BN + tl.arange(0, BN)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for r0 in range(0, R, BR):
             rr = r0 + tl.arange(0, BR)
-            h = tl.load(h_ptr + rm[:, None] * s_hm + rr[None, :] * s_hr,
-                        mask=(rm[:, None] < M) & (rr[None, :] < R), other=0.0)
-            b = tl.load(b_ptr + rn[None, :] * s_bn + rr[:, None] * s_br,
-                        mask=(rn[None, :] < N) & (rr[:, None] < R), other=0.0)
+            h = tl.load(h_ptr + rm[:, None] * R + rr[None, :], mask=(rm[:, None] < M) & (rr[None, :] < R), other=0.0)
+            b = tl.load(b_ptr + rn[None, :] * R + rr[:, None], mask=(rn[None, :] < N) & (rr[:, None] < R), other=0.0)
             acc += tl.dot(h, b)
-        inside = (rm[:, None] < M) & (rn[None, :] < N)
-        o = tl.load(out_ptr + rm[:, None] * s_om + rn[None, :] * s_on, mask=inside, other=0.0)
-        y = o.to(tl.float32) + acc * scale
-        tl.store(y_ptr + rm[:, None] * s_ym + rn[None, :] * s_yn, y.to(y_ptr.dtype.element_ty), mask=inside)
+        at, inside = rm[:, None] * N + rn[None, :], (rm[:, None] < M) & (rn[None, :] < N)
+        y = tl.load(out_ptr + at, mask=inside, other=0.0).to(tl.float32) + acc * scale
+        tl.store(y_ptr + at, y.to(y_ptr.dtype.element_ty), mask=inside)
 
 
 def runs_kernel(out: torch.Tensor) -> bool:
@@ -49,11 +46,11 @@ def add_up_projection(out: torch.Tensor, h: torch.Tensor, b: torch.Tensor, scale
     """out [M, N] + scale * (h [M, r] @ b [N, r]^T), in out's dtype (h and b in one dtype)."""
     if not runs_kernel(out):
         return out + (h @ b.t()).to(out.dtype) * scale
+    out, h, b = out.contiguous(), h.contiguous(), b.contiguous()
     y = torch.empty_like(out)
     (m, n), r = out.shape, h.shape[1]
     grid = (triton.cdiv(m, TILE_M), triton.cdiv(n, TILE_N))
-    wrap_triton(_add_up_projection)[grid](out, h, b, y, m, n, r, scale, *out.stride(), *h.stride(), *b.stride(),
-                                          *y.stride(), BM=TILE_M, BN=TILE_N, BR=TILE_R)
+    wrap_triton(_add_up_projection)[grid](out, h, b, y, m, n, r, scale, BM=TILE_M, BN=TILE_N, BR=TILE_R)
     return y
 
 
