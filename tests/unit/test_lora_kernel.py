@@ -25,7 +25,7 @@ def _inputs(m=40, n=24, r=8, dtype=torch.float32):
 
 def _grads(fn, out, h, b):
     y = fn(out, h, b)
-    (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
+    (y * torch.linspace(-1, 1, y.numel(), device=y.device).view_as(y)).sum().backward()
     return y.detach(), [t.grad.clone() for t in (out, h, b)]
 
 
@@ -61,3 +61,16 @@ def test_the_triton_kernel_computes_out_plus_the_scaled_product():
     env = dict(os.environ, TRITON_INTERPRET="1")
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0 and "kernel ok" in done.stdout, done.stderr[-3000:]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the kernel itself runs on CUDA")
+@pytest.mark.parametrize("m, n, r", [(4608, 36864, 16), (333, 515, 24)])
+def test_on_cuda_the_kernel_gives_the_plain_forms_values_and_gradients_in_bf16(m, n, r):
+    def on_cuda(t):
+        return t.detach().to("cuda", torch.bfloat16).requires_grad_()
+    inputs = [on_cuda(t) for t in _inputs(m, n, r)]
+    y, grads = _grads(lambda o, h, b: add_up_projection(o, h, b, 0.5), *inputs)
+    y_ref, grads_ref = _grads(lambda o, h, b: o + ((h.float() @ b.float().t()) * 0.5).to(o.dtype),
+                              *[on_cuda(t) for t in inputs])
+    for got, want in zip([y, *grads], [y_ref, *grads_ref]):              # within bf16's rounding, as a whole
+        assert (got.float() - want.float()).norm() <= 1e-2 * want.float().norm()
