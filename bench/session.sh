@@ -18,6 +18,7 @@
 #               all; ours' timeline kept too)
 #   eight-bit   ours with the int8 and the fp8 base (recompute all) under inductor's GEMM autotuning
 #               (bench/cards.py --experiment gemm-autotune: the rescale in the matmul's epilogue)
+#   kernel-ab   ours in bf16 and fp8 (KERNEL_MODES), recompute all, without and with --experiment lora-kernel
 #   trace       the peer, then ours in bf16 and fp8 (recompute all) with their kernel tables and timelines
 #   judge       the peer, then ours in each base-compute mode and recompute setting (issue 41's rows; the
 #               8-bit modes' kernel tables kept; JUDGE_8BIT: which 8-bit modes, JUDGE_KERNEL: the modes also run
@@ -131,6 +132,11 @@ for s in $sections; do
     done
     for m in bf16 fp8; do case_row judge-$m-auto "$COMFYUI_PATH" $ours --base-compute $m --recompute auto; done
     case_row judge-bf16-auto-24 "$COMFYUI_PATH" $ours --base-compute bf16 --recompute auto --card-gib 24 ;;
+  kernel-ab) model_file $k9 flux2-klein-9b  # ours without and with the LoRA kernel, mode by mode (no peer)
+    for m in ${KERNEL_MODES:-bf16 fp8}; do
+      case_row ab-$m-all "$COMFYUI_PATH" $ours --base-compute $m --recompute all
+      case_row ab-$m-all-lora-kernel "$COMFYUI_PATH" $ours --base-compute $m --recompute all --experiment lora-kernel
+    done ;;
   trace) model_file $k9 flux2-klein-9b      # the peer, then ours with the timeline (where the GPU waits for the host)
     [ -n "${peer_done:-}" ] || peer judge-peer .carry/peer_reference.py --steps 8
     peer_done=1
