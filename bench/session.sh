@@ -18,11 +18,11 @@
 #               all; ours' timeline kept too)
 #   eight-bit   ours with the int8 and the fp8 base (recompute all) under inductor's GEMM autotuning
 #               (bench/cards.py --experiment gemm-autotune: the rescale in the matmul's epilogue)
-#   kernel-ab   ours in bf16 and fp8 (KERNEL_MODES), recompute all, without and with --experiment lora-kernel
+#   kernel-ab   ours, recompute all, without and with a kernel: KERNEL_AB's MODE:EXPERIMENT pairs (bench/cards.py
+#               --experiment lora-kernel | int8-kernel)
 #   trace       the peer, then ours in bf16 and fp8 (recompute all) with their kernel tables and timelines
 #   judge       the peer, then ours in each base-compute mode and recompute setting (issue 41's rows; the
-#               8-bit modes' kernel tables kept; JUDGE_8BIT: which 8-bit modes, JUDGE_KERNEL: the modes also run
-#               with the LoRA kernel, --experiment lora-kernel)
+#               8-bit modes' kernel tables kept; JUDGE_8BIT: which 8-bit modes)
 #   wan-judge   Wan 2.1 14B at 640² x 17 frames: a diffusers + PEFT peer (bench/peer_wan.py), then ours
 #   cards       klein 9B, base compute auto + recompute auto, as the cards people own (CARDS: sizes in GiB,
 #               `whole`, or CARD:VARIANT neighbours of the planner's pick: kept+2 swapped-2 ...)
@@ -127,15 +127,13 @@ for s in $sections; do
     case_row judge-bf16-all "$COMFYUI_PATH" $ours --base-compute bf16 --recompute all
     # (the 8-bit rows' kernel tables too: their median step is of 8, two of them profiled)
     for m in ${JUDGE_8BIT:-fp8 int8}; do PROFILE=1 case_row judge-$m-all "$COMFYUI_PATH" $ours --base-compute $m --recompute all; done
-    for m in ${JUDGE_KERNEL:-}; do           # the same with an experiment (bench/cards.py --experiment)
-      case_row judge-$m-all-lora-kernel "$COMFYUI_PATH" $ours --base-compute $m --recompute all --experiment lora-kernel
-    done
     for m in bf16 fp8; do case_row judge-$m-auto "$COMFYUI_PATH" $ours --base-compute $m --recompute auto; done
     case_row judge-bf16-auto-24 "$COMFYUI_PATH" $ours --base-compute bf16 --recompute auto --card-gib 24 ;;
-  kernel-ab) model_file $k9 flux2-klein-9b  # ours without and with the LoRA kernel, mode by mode (no peer)
-    for m in ${KERNEL_MODES:-bf16 fp8}; do
+  kernel-ab) model_file $k9 flux2-klein-9b  # ours without and with a kernel of ugpum.compute.kernels, mode by mode
+    for pair in ${KERNEL_AB:-bf16:lora-kernel int8:int8-kernel fp8:lora-kernel}; do
+      m=${pair%%:*} x=${pair#*:}
       case_row ab-$m-all "$COMFYUI_PATH" $ours --base-compute $m --recompute all
-      case_row ab-$m-all-lora-kernel "$COMFYUI_PATH" $ours --base-compute $m --recompute all --experiment lora-kernel
+      case_row ab-$m-all-$x "$COMFYUI_PATH" $ours --base-compute $m --recompute all --experiment $x
     done ;;
   trace) model_file $k9 flux2-klein-9b      # the peer, then ours with the timeline (where the GPU waits for the host)
     [ -n "${peer_done:-}" ] || peer judge-peer .carry/peer_reference.py --steps 8

@@ -21,9 +21,9 @@ import math
 import torch
 from torch import nn
 
-from .lora_kernel import add_up_projection, runs_kernel
+from .kernels.lora_up import add_up_projection, runs_kernel
 
-# The up-projection added by ugpum.compute.lora_kernel's one Triton pass on CUDA. Off until a GPU run has
+# The up-projection added by ugpum.compute.kernels.lora_up's one Triton pass on CUDA. Off until a GPU run has
 # measured it against the two-op forms below (`bench/cards.py --experiment lora-kernel` turns it on).
 FUSED_UP_PROJECTION = False
 
@@ -57,7 +57,7 @@ class LoraAdapter(nn.Module):
         h = x.reshape(-1, x.shape[-1]) @ a.t()
         if not autocast and h.dtype != out.dtype:
             h = h.to(out.dtype)
-        if FUSED_UP_PROJECTION and runs_kernel(out):          # one pass over the output (lora_kernel.py)
+        if FUSED_UP_PROJECTION and runs_kernel(out):          # one pass over the output (kernels/lora_up.py)
             return add_up_projection(out.reshape(-1, out.shape[-1]), h, b.to(h.dtype), self.scale).view(out.shape)
         if torch.compiler.is_compiling():
             # Compiled, a plain matmul whose scale and add inductor fuses into the kernel that reads the layer's

@@ -1,0 +1,127 @@
+"""ugpum.compute.kernels: the LoRA's up-projection added into the layer's output in one pass (`lora_up`), and the
+int8 base's matmul with its rescale (`int8_matmul`). Each op gives its plain form's values (and gradients) here on
+the CPU, where it is that form, and its Triton kernel computes them: run by Triton's own interpreter on the CPU
+(fp32 and fp16 outputs; the interpreter has no bf16, which the CUDA tests and the GPU runs check:
+`bench/cards.py --experiment lora-kernel|int8-kernel`)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from ugpum.compute.kernels.int8_matmul import int8_scaled_mm
+from ugpum.compute.kernels.lora_up import add_up_projection
+from ugpum.compute.modes import mode_named
+
+pytestmark = pytest.mark.quick
+
+
+def _inputs(m=40, n=24, r=8, dtype=torch.float32):
+    g = torch.Generator().manual_seed(0)
+    out, h, b = (torch.randn(*shape, generator=g, dtype=dtype) for shape in ((m, n), (m, r), (n, r)))
+    return out.requires_grad_(), h.requires_grad_(), b.requires_grad_()
+
+
+def _grads(fn, out, h, b):
+    y = fn(out, h, b)
+    (y * torch.linspace(-1, 1, y.numel(), device=y.device).view_as(y)).sum().backward()
+    return y.detach(), [t.grad.clone() for t in (out, h, b)]
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_the_op_gives_the_plain_forms_values_and_gradients(compiled):
+    op = (lambda o, h, b: add_up_projection(o, h, b, 0.75))
+    if compiled:
+        op = torch.compile(op, backend="aot_eager")
+    y, grads = _grads(op, *_inputs())
+    y_ref, grads_ref = _grads(lambda o, h, b: o + (h @ b.t()) * 0.75, *_inputs())
+    torch.testing.assert_close(y, y_ref)
+    for got, want in zip(grads, grads_ref):
+        torch.testing.assert_close(got, want)
+
+
+def _in_the_interpreter(script: str) -> None:
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], env=env, capture_output=True, text=True,
+                          timeout=240)
+    assert done.returncode == 0 and "kernel ok" in done.stdout, done.stderr[-3000:]
+
+
+def test_the_lora_kernel_computes_out_plus_the_scaled_product():
+    _in_the_interpreter("""
+        import torch, triton
+        from ugpum.compute.kernels import lora_up as lk
+        g = torch.Generator().manual_seed(1)
+        for dtype in (torch.float32, torch.float16):
+            for m, n, r in ((300, 200, 16), (130, 129, 8), (64, 256, 40)):     # edges of tiles and of the rank
+                out, h, b = (torch.randn(*s, generator=g).to(dtype) for s in ((m, n), (m, r), (n, r)))
+                y = torch.empty_like(out)
+                grid = (triton.cdiv(m, lk.TILE_M), triton.cdiv(n, lk.TILE_N))
+                lk._add_up_projection[grid](out, h, b, y, m, n, r, 0.5, BM=lk.TILE_M, BN=lk.TILE_N, BR=lk.TILE_R)
+                want = out.float() + (h.float() @ b.float().t()) * 0.5
+                err = (y.float() - want).abs().max().item()
+                assert err <= (1e-5 if dtype == torch.float32 else 1e-2), (dtype, m, n, r, err)
+        print("kernel ok")
+    """)
+
+
+def _int8_operands(m, n, k, device="cpu"):
+    g = torch.Generator().manual_seed(2)
+    int8 = mode_named("int8")
+    a, sa = int8.quantise_rows(torch.randn(m, k, generator=g))
+    b, sb = int8.quantise_rows(torch.randn(n, k, generator=g))
+    return a.to(device), sa.to(device), b.to(device), sb.reshape(-1).to(device)
+
+
+def test_the_int8_op_is_the_rescaled_integer_product():
+    a, sa, b, sb = _int8_operands(40, 24, 64)
+    want = (a.double() @ b.double().t()) * sa.double() * sb.double()
+    torch.testing.assert_close(int8_scaled_mm(a, sa, b, sb, torch.float32).double(), want, rtol=1e-6, atol=1e-6)
+    compiled = torch.compile(lambda *x: int8_scaled_mm(*x, torch.float32), backend="aot_eager")
+    torch.testing.assert_close(compiled(a, sa, b, sb).double(), want, rtol=1e-6, atol=1e-6)
+
+
+def test_the_int8_kernel_computes_the_rescaled_integer_product():
+    _in_the_interpreter("""
+        import torch, triton
+        from ugpum.compute.kernels import int8_matmul as k
+        from tests.unit.test_kernels import _int8_operands
+        for dtype in (torch.float32, torch.float16):
+            for m, n, kk in ((300, 260, 160), (17, 129, 64), (130, 64, 300)):     # edges of tiles and of K
+                a, sa, b, sb = _int8_operands(m, n, kk)
+                c = torch.empty(m, n, dtype=dtype)
+                for bm, bn in ((64, 128), (128, 64)):          # (the autotuner needs a GPU: tiles set here)
+                    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+                    k._int8_scaled_mm.fn[grid](a, b, sa.reshape(-1), sb, c, m, n, kk, BM=bm, BN=bn, BK=128)
+                    want = (a.double() @ b.double().t()) * sa.double() * sb.double()
+                    err = ((c.double() - want).abs() / want.abs().clamp_min(1)).max().item()
+                    assert err <= (1e-6 if dtype == torch.float32 else 2e-3), (dtype, m, n, kk, bm, err)
+        print("kernel ok")
+    """)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the kernel itself runs on CUDA")
+@pytest.mark.parametrize("m, n, r", [(4608, 36864, 16), (333, 515, 24)])
+def test_on_cuda_the_kernel_gives_the_plain_forms_values_and_gradients_in_bf16(m, n, r):
+    def on_cuda(t):
+        return t.detach().to("cuda", torch.bfloat16).requires_grad_()
+    inputs = [on_cuda(t) for t in _inputs(m, n, r)]
+    y, grads = _grads(lambda o, h, b: add_up_projection(o, h, b, 0.5), *inputs)
+    y_ref, grads_ref = _grads(lambda o, h, b: o + ((h.float() @ b.float().t()) * 0.5).to(o.dtype),
+                              *[on_cuda(t) for t in inputs])
+    for got, want in zip([y, *grads], [y_ref, *grads_ref]):              # within bf16's rounding, as a whole
+        assert (got.float() - want.float()).norm() <= 1e-2 * want.float().norm()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the kernel itself runs on CUDA")
+@pytest.mark.parametrize("m, n, k", [(4608, 36864, 4096), (512, 4096, 12288), (333, 515, 272)])
+def test_on_cuda_the_int8_kernel_matches_int_mm_in_bf16(m, n, k):
+    a, sa, b, sb = _int8_operands(m, n, k, "cuda")
+    got = int8_scaled_mm(a, sa, b, sb, torch.bfloat16).float()
+    want = torch._int_mm(a, b.t()).float() * sa * sb
+    assert (got - want).norm() <= 4e-3 * want.norm()
