@@ -17,8 +17,6 @@ from ugpum.compute.kernels.int8_matmul import int8_scaled_mm
 from ugpum.compute.kernels.lora_up import add_up_projection
 from ugpum.compute.modes import mode_named
 
-pytestmark = pytest.mark.quick
-
 
 def _inputs(m=40, n=24, r=8, dtype=torch.float32):
     g = torch.Generator().manual_seed(0)
