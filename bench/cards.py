@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 import torch  # noqa: E402
 
-from ugpum.compute import lora, modes  # noqa: E402
+from ugpum.compute import kernels  # noqa: E402
 from ugpum.formats.atomic import append_line  # noqa: E402
 
 GIB = 1024 ** 3
@@ -280,8 +280,7 @@ def main(argv=None) -> int:
     p.add_argument("--speed-rows", help="also append issue 23's `impl: ugpum_cli` row (bench/results/speed.json's "
                                         "fields) to this JSON lines file")
     p.add_argument("--call", default="", help="which GPU run the speed row belongs to (the peer's --call)")
-    p.add_argument("--experiment", default="", choices=["", "comfy-attention", "gemm-autotune", "lora-kernel",
-                                                        "int8-kernel"],
+    p.add_argument("--experiment", default="", choices=["", "comfy-attention", "gemm-autotune", *kernels.KERNELS],
                    help="a what-if: comfy-attention = attention as ComfyUI 0.33 chooses it (flash first); "
                         "gemm-autotune = inductor's max_autotune_gemm; lora-kernel, int8-kernel: ugpum.compute.kernels")
     a = p.parse_args(argv)
@@ -291,7 +290,8 @@ def main(argv=None) -> int:
     if a.experiment == "gemm-autotune":
         import torch._inductor.config as inductor
         inductor.max_autotune_gemm = True
-    lora.FUSED_UP_PROJECTION, modes.int8.TRITON_KERNEL = a.experiment == "lora-kernel", a.experiment == "int8-kernel"
+    if a.experiment in kernels.KERNELS:
+        kernels.turn_on(a.experiment)
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
     config, out = work / "config.toml", work / "run"

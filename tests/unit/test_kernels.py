@@ -53,14 +53,14 @@ def _in_the_interpreter(script: str) -> None:
 def test_the_lora_kernel_computes_out_plus_the_scaled_product():
     _in_the_interpreter("""
         import torch, triton
-        from ugpum.compute.kernels import lora_up as lk
+        from ugpum.compute.kernels import triton_kernels as lk
         g = torch.Generator().manual_seed(1)
         for dtype in (torch.float32, torch.float16):
             for m, n, r in ((300, 200, 16), (130, 129, 8), (64, 256, 40)):     # edges of tiles and of the rank
                 out, h, b = (torch.randn(*s, generator=g).to(dtype) for s in ((m, n), (m, r), (n, r)))
                 y = torch.empty_like(out)
                 grid = (triton.cdiv(m, lk.TILE_M), triton.cdiv(n, lk.TILE_N))
-                lk._add_up_projection[grid](out, h, b, y, m, n, r, 0.5, BM=lk.TILE_M, BN=lk.TILE_N, BR=lk.TILE_R)
+                lk.add_up_projection[grid](out, h, b, y, m, n, r, 0.5, BM=lk.TILE_M, BN=lk.TILE_N, BR=lk.TILE_R)
                 want = out.float() + (h.float() @ b.float().t()) * 0.5
                 err = (y.float() - want).abs().max().item()
                 assert err <= (1e-5 if dtype == torch.float32 else 1e-2), (dtype, m, n, r, err)
@@ -87,7 +87,7 @@ def test_the_int8_op_is_the_rescaled_integer_product():
 def test_the_int8_kernel_computes_the_rescaled_integer_product():
     _in_the_interpreter("""
         import torch, triton
-        from ugpum.compute.kernels import int8_matmul as k
+        from ugpum.compute.kernels import triton_kernels as k
         from tests.unit.test_kernels import _int8_operands
         for dtype in (torch.float32, torch.float16):
             for m, n, kk in ((300, 260, 160), (17, 129, 64), (130, 64, 300)):     # edges of tiles and of K
@@ -95,7 +95,7 @@ def test_the_int8_kernel_computes_the_rescaled_integer_product():
                 c = torch.empty(m, n, dtype=dtype)
                 for bm, bn in ((64, 128), (128, 64)):          # (the autotuner needs a GPU: tiles set here)
                     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
-                    k._int8_scaled_mm.fn[grid](a, b, sa.reshape(-1), sb, c, m, n, kk, BM=bm, BN=bn, BK=128)
+                    k.int8_scaled_mm.fn[grid](a, b, sa.reshape(-1), sb, c, m, n, kk, BM=bm, BN=bn, BK=128)
                     want = (a.double() @ b.double().t()) * sa.double() * sb.double()
                     err = ((c.double() - want).abs() / want.abs().clamp_min(1)).max().item()
                     assert err <= (1e-6 if dtype == torch.float32 else 2e-3), (dtype, m, n, kk, bm, err)
@@ -123,3 +123,22 @@ def test_on_cuda_the_int8_kernel_matches_int_mm_in_bf16(m, n, k):
     got = int8_scaled_mm(a, sa, b, sb, torch.bfloat16).float()
     want = torch._int_mm(a, b.t()).float() * sa * sb
     assert (got - want).norm() <= 4e-3 * want.norm()
+
+
+def test_triton_is_imported_only_once_a_kernel_is_turned_on():
+    """Registering a Triton op imports Triton (a second or more): the CLI, the engine and the node pack's core start
+    without it, and `turn_on` hands each op to the code that runs it."""
+    pytest.importorskip("triton")
+    script = textwrap.dedent("""
+        import sys
+        import ugpum.commands.plan, ugpum.commands.train, ugpum.compute.lora as lora, ugpum.compute.modes.int8 as int8
+        from ugpum.compute import kernels
+        assert "triton" not in sys.modules and lora.FUSED_UP_PROJECTION is None and int8.TRITON_KERNEL is None
+        for name in kernels.KERNELS:
+            kernels.turn_on(name)
+        from ugpum.compute.kernels import int8_matmul, lora_up
+        assert lora.FUSED_UP_PROJECTION is lora_up.add_up_projection and int8.TRITON_KERNEL is int8_matmul.int8_scaled_mm
+        print("ok", "triton" in sys.modules)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0 and "ok True" in done.stdout, done.stderr[-3000:]

@@ -21,11 +21,9 @@ import math
 import torch
 from torch import nn
 
-from .kernels.lora_up import add_up_projection, runs_kernel
-
-# The up-projection added by ugpum.compute.kernels.lora_up's one Triton pass on CUDA. Off until a GPU run has
-# measured it against the two-op forms below (`bench/cards.py --experiment lora-kernel` turns it on).
-FUSED_UP_PROJECTION = False
+# On CUDA, the up-projection added in one Triton pass by this op (`ugpum.compute.kernels.lora_up`, set by
+# `kernels.turn_on`); None, until a GPU run has measured it against them: the two-op forms below.
+FUSED_UP_PROJECTION = None
 
 
 class LoraAdapter(nn.Module):
@@ -57,8 +55,8 @@ class LoraAdapter(nn.Module):
         h = x.reshape(-1, x.shape[-1]) @ a.t()
         if not autocast and h.dtype != out.dtype:
             h = h.to(out.dtype)
-        if FUSED_UP_PROJECTION and runs_kernel(out):          # one pass over the output (kernels/lora_up.py)
-            return add_up_projection(out.reshape(-1, out.shape[-1]), h, b.to(h.dtype), self.scale).view(out.shape)
+        if FUSED_UP_PROJECTION is not None and out.is_cuda:          # one pass over the output
+            return FUSED_UP_PROJECTION(out.reshape(-1, out.shape[-1]), h, b.to(h.dtype), self.scale).view(out.shape)
         if torch.compiler.is_compiling():
             # Compiled, a plain matmul whose scale and add inductor fuses into the kernel that reads the layer's
             # output: addmm with a rank-16 K re-reads and rewrites the whole output (41.8 against 12 ms a step,

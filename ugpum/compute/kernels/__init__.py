@@ -1,3 +1,29 @@
-"""Triton kernels for what PyTorch's own ops do in more passes or on older tensor-core paths, each a custom op
-with a PyTorch form for the CPU and for installs without Triton (tests run both forms: the kernels in Triton's
-interpreter)."""
+"""Triton kernels for what PyTorch's own ops do in more passes or on older tensor-core paths: each a custom op
+(`lora_up`, `int8_matmul`) with a PyTorch form for the CPU and for installs without Triton, its kernel in
+`triton_kernels` (tests run both forms: the kernels in Triton's interpreter). Registering a Triton op imports
+Triton, a second or more that every start of the CLI and of the node pack would pay: an op's module is imported
+only when `turn_on` names it, and the code that uses it reads it from there."""
+from __future__ import annotations
+
+import importlib
+from importlib.util import find_spec
+
+HAS_TRITON = find_spec("triton") is not None       # (found, not imported)
+
+
+def cdiv(a: int, b: int) -> int:
+    """a / b rounded up: the tiles a grid needs."""
+    return -(-a // b)
+
+
+# name -> (the op's module, its function, the module and the setting that take it)
+KERNELS = {"lora-kernel": ("lora_up", "add_up_projection", "ugpum.compute.lora", "FUSED_UP_PROJECTION"),
+           "int8-kernel": ("int8_matmul", "int8_scaled_mm", "ugpum.compute.modes.int8", "TRITON_KERNEL")}
+
+
+def turn_on(name: str) -> None:
+    """From now on run kernel `name` (a key of KERNELS) wherever its op runs on CUDA (`bench/cards.py
+    --experiment NAME`: the kernels stay off until a GPU run has measured them against PyTorch's ops)."""
+    module, op, user, setting = KERNELS[name]
+    found = getattr(importlib.import_module(f"{__name__}.{module}"), op)
+    setattr(importlib.import_module(user), setting, found)

@@ -10,35 +10,12 @@ from __future__ import annotations
 import torch
 from torch.library import triton_op, wrap_triton
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:                      # (a CPU-only install: the PyTorch form everywhere)
-    triton = None
-
-TILE_M, TILE_N, TILE_R = 128, 128, 16
-
-if triton is not None:
-    @triton.jit
-    def _add_up_projection(out_ptr, h_ptr, b_ptr, y_ptr, M, N, R, scale,
-                           BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr):
-        # y = out + scale * h @ b^T, all four row-major and contiguous: out, y [M, N]; h [M, R]; b [N, R]
-        rm = tl.program_id(0) * BM + tl.arange(0, BM)
-        rn = tl.program_id(1) * BN + tl.arange(0, BN)
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for r0 in range(0, R, BR):
-            rr = r0 + tl.arange(0, BR)
-            h = tl.load(h_ptr + rm[:, None] * R + rr[None, :], mask=(rm[:, None] < M) & (rr[None, :] < R), other=0.0)
-            b = tl.load(b_ptr + rn[None, :] * R + rr[:, None], mask=(rn[None, :] < N) & (rr[:, None] < R), other=0.0)
-            acc += tl.dot(h, b)
-        at, inside = rm[:, None] * N + rn[None, :], (rm[:, None] < M) & (rn[None, :] < N)
-        y = tl.load(out_ptr + at, mask=inside, other=0.0).to(tl.float32) + acc * scale
-        tl.store(y_ptr + at, y.to(y_ptr.dtype.element_ty), mask=inside)
+from . import HAS_TRITON, cdiv
 
 
 def runs_kernel(out: torch.Tensor) -> bool:
     """Whether `add_up_projection` takes the Triton kernel for this output (CUDA, Triton installed)."""
-    return triton is not None and out.device.type == "cuda"
+    return HAS_TRITON and out.device.type == "cuda"
 
 
 @triton_op("ugpum::add_up_projection", mutates_args=())
@@ -46,11 +23,12 @@ def add_up_projection(out: torch.Tensor, h: torch.Tensor, b: torch.Tensor, scale
     """out [M, N] + scale * (h [M, r] @ b [N, r]^T), in out's dtype (h and b in one dtype)."""
     if not runs_kernel(out):
         return out + (h @ b.t()).to(out.dtype) * scale
+    from . import triton_kernels as k
     out, h, b = out.contiguous(), h.contiguous(), b.contiguous()
     y = torch.empty_like(out)
     (m, n), r = out.shape, h.shape[1]
-    grid = (triton.cdiv(m, TILE_M), triton.cdiv(n, TILE_N))
-    wrap_triton(_add_up_projection)[grid](out, h, b, y, m, n, r, scale, BM=TILE_M, BN=TILE_N, BR=TILE_R)
+    grid = (cdiv(m, k.TILE_M), cdiv(n, k.TILE_N))
+    wrap_triton(k.add_up_projection)[grid](out, h, b, y, m, n, r, scale, BM=k.TILE_M, BN=k.TILE_N, BR=k.TILE_R)
     return y
 
 

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.int8_matmul import int8_scaled_mm, runs_kernel
 from .mode import ComputeMode
 
-# The matmul and its rescale in one Triton kernel on Hopper's int8 instructions (ugpum.compute.kernels.int8_matmul).
-# Off until a GPU run has measured it against torch._int_mm (`bench/cards.py --experiment int8-kernel`).
-TRITON_KERNEL = False
+# On CUDA, the matmul and its rescale in one Triton kernel on Hopper's int8 instructions: this op
+# (`ugpum.compute.kernels.int8_matmul`, set by `kernels.turn_on`); None, until a GPU run has measured it: _int_mm.
+TRITON_KERNEL = None
 
 
 class Int8(ComputeMode):
@@ -32,9 +31,9 @@ class Int8(ComputeMode):
         return t.round().clamp(-self.qmax, self.qmax).to(torch.int8)
 
     def matmul(self, a, sa, b_t, sb, out_dtype):
-        if TRITON_KERNEL and runs_kernel(a):
+        if TRITON_KERNEL is not None and a.is_cuda:
             sb = sb if sb is not None else torch.ones(b_t.shape[0], device=a.device)
-            return int8_scaled_mm(a, sa, b_t, sb, out_dtype)
+            return TRITON_KERNEL(a, sa, b_t, sb, out_dtype)
         y = torch._int_mm(a, b_t.t()).float() * sa
         return (y if sb is None else y * sb).to(out_dtype)
 

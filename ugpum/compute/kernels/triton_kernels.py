@@ -1,0 +1,51 @@
+"""The Triton kernels of `ugpum.compute.kernels`' ops, imported only where one runs (a CUDA device, Triton
+installed, the op turned on): importing Triton takes a second or more."""
+import triton
+import triton.language as tl
+
+TILE_M, TILE_N, TILE_R = 128, 128, 16          # add_up_projection's tiles (the rank in steps of 16)
+
+
+@triton.jit
+def add_up_projection(out_ptr, h_ptr, b_ptr, y_ptr, M, N, R, scale,
+                      BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr):
+    # the LoRA's up-projection added: y = out + scale * h @ b^T, all four row-major and contiguous:
+    # out, y [M, N]; h [M, R]; b [N, R]
+    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for r0 in range(0, R, BR):
+        rr = r0 + tl.arange(0, BR)
+        h = tl.load(h_ptr + rm[:, None] * R + rr[None, :], mask=(rm[:, None] < M) & (rr[None, :] < R), other=0.0)
+        b = tl.load(b_ptr + rn[None, :] * R + rr[:, None], mask=(rn[None, :] < N) & (rr[:, None] < R), other=0.0)
+        acc += tl.dot(h, b)
+    at, inside = rm[:, None] * N + rn[None, :], (rm[:, None] < M) & (rn[None, :] < N)
+    y = tl.load(out_ptr + at, mask=inside, other=0.0).to(tl.float32) + acc * scale
+    tl.store(y_ptr + at, y.to(y_ptr.dtype.element_ty), mask=inside)
+
+
+@triton.autotune(configs=[triton.Config({"BM": 128, "BN": 256, "BK": 128}, num_warps=8, num_stages=3),
+                          triton.Config({"BM": 256, "BN": 128, "BK": 128}, num_warps=8, num_stages=3),
+                          triton.Config({"BM": 128, "BN": 128, "BK": 128}, num_warps=4, num_stages=4),
+                          triton.Config({"BM": 64, "BN": 128, "BK": 128}, num_warps=4, num_stages=4)],
+                 key=["M", "N", "K"])
+@triton.jit
+def int8_scaled_mm(a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, M, N, K,
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    # the int8 base's matmul and rescale: c = (a @ b^T) * sa[:, None] * sb[None, :]; a [M, K], b [N, K],
+    # c [M, N]: row-major and contiguous.
+    # Programs go down a column of tiles first: the ones running together share b's tiles in L2.
+    pid, rows = tl.program_id(0), tl.cdiv(M, BM)
+    rm = (pid % rows) * BM + tl.arange(0, BM)
+    rn = (pid // rows) * BN + tl.arange(0, BN)
+    acc = tl.zeros((BM, BN), dtype=tl.int32)
+    for k0 in range(0, K, BK):
+        rk = k0 + tl.arange(0, BK)
+        a = tl.load(a_ptr + rm[:, None] * K + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K), other=0)
+        b = tl.load(b_ptr + rn[:, None] * K + rk[None, :], mask=(rn[:, None] < N) & (rk[None, :] < K), other=0)
+        acc += tl.dot(a, tl.trans(b))
+    sa = tl.load(sa_ptr + rm, mask=rm < M, other=0.0)
+    sb = tl.load(sb_ptr + rn, mask=rn < N, other=0.0)
+    c = acc.to(tl.float32) * sa[:, None] * sb[None, :]
+    tl.store(c_ptr + rm[:, None] * N + rn[None, :], c.to(c_ptr.dtype.element_ty),
+             mask=(rm[:, None] < M) & (rn[None, :] < N))
