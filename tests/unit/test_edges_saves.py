@@ -18,7 +18,7 @@ from torch import nn
 from ugpum.formats.atomic import atomic_path, remove_abandoned
 from ugpum.formats.disk_space import DiskFull, size_text
 from ugpum.formats.fingerprint import weights_fingerprint
-from ugpum.formats.finite import NonFinite, is_finite
+from ugpum.formats.finite import NonFinite, is_finite, non_finite
 from ugpum.formats.lora_file import save_lora
 from ugpum.compute.lora import attach_lora
 from ugpum.train.run.checkpoint import (CheckpointError, check_same_run, latest_checkpoint, load_checkpoint,
@@ -92,6 +92,18 @@ def test_nothing_non_finite_is_ever_saved(tmp_path):
     with pytest.raises(NonFinite, match="not saved"):
         save_lora(tmp_path / "x.safetensors", {p: (a.A, a.B) for p, a in lora.items()}, 4, 4.0)
     assert latest_checkpoint(tmp_path).name == "step_000001" and not (tmp_path / "x.safetensors").exists()
+
+
+def test_non_finite_names_each_bad_tensor_in_order_from_one_read_of_a_device(monkeypatch):
+    fp8 = torch.tensor([1.0, 2.0]).to(torch.float8_e4m3fn)
+    named = [("good", torch.ones(3)), ("nan", torch.tensor([0.0, float("nan")])), ("int", torch.tensor([1, 2])),
+             ("empty", torch.empty(0)), ("fp8", fp8), ("bad fp8", torch.tensor([0x7F], dtype=torch.uint8).view(
+                 torch.float8_e4m3fn)), ("inf", torch.tensor([float("-inf")], dtype=torch.bfloat16))]
+    reads, tolist = [], torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(t.numel()) or tolist(t))
+    assert non_finite(named) == ["nan", "bad fp8", "inf"]
+    assert reads == [5]                             # the five float tensors' flags, read at once (one device)
+    assert non_finite(named[:1]) == [] and non_finite([]) == []
 
 
 def test_fp8_non_finite_values_are_found():

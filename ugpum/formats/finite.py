@@ -17,19 +17,38 @@ class NonFinite(ValueError, EngineError):
     """A tensor holds NaN or infinity; the message names it and says what to do."""
 
 
-def is_finite(t: torch.Tensor) -> bool:
-    """True when every value of `t` is a finite number (integer tensors always are)."""
+def _finite_flag(t: torch.Tensor) -> torch.Tensor | None:
+    """Whether every value of `t` is finite, as a one-value bool tensor on t's device not read yet (None: its
+    dtype is finite by kind, integers and empty tensors)."""
     if t.dtype in _FP8_NON_FINITE:
         mask, bad = _FP8_NON_FINITE[t.dtype]
-        return not bool(((t.view(torch.uint8) & mask) == bad).any())
+        return ~((t.view(torch.uint8) & mask) == bad).any()
     if not t.is_floating_point() or t.numel() == 0:
-        return True
-    return bool(torch.isfinite(t).all())
+        return None
+    return torch.isfinite(t).all()
+
+
+def is_finite(t: torch.Tensor) -> bool:
+    """True when every value of `t` is a finite number (integer tensors always are)."""
+    flag = _finite_flag(t)
+    return flag is None or bool(flag)
 
 
 def non_finite(named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
-    """The names of the tensors holding a NaN or an infinity, in order."""
-    return [name for name, t in named if not is_finite(t)]
+    """The names of the tensors holding a NaN or an infinity, in order: each device's flags read together, one
+    host sync a device instead of one a tensor (a checkpoint holds ~1800 tensors of klein 9B's LoRA and AdamW)."""
+    names, flags = [], {}
+    for name, t in named:
+        flag = _finite_flag(t)
+        if flag is not None:
+            names.append(name)
+            flags.setdefault(flag.device, []).append((len(names) - 1, flag))
+    finite = [True] * len(names)
+    for per_device in flags.values():
+        read = torch.stack([flag for _, flag in per_device]).tolist()
+        for (i, _), ok in zip(per_device, read):
+            finite[i] = ok
+    return [name for name, ok in zip(names, finite) if not ok]
 
 
 def shown(names: list[str], limit: int = 3) -> str:

@@ -31,7 +31,7 @@ from ...formats.atomic import remove_abandoned, write_json_atomic
 from ...formats.disk_space import DiskFull, check_space, raise_refused
 from ...formats.refused import SaveRefused
 from ...formats.safetensors_writer import write_tensors
-from ...formats.finite import NonFinite, is_finite, non_finite, shown
+from ...formats.finite import NonFinite, non_finite, shown
 from ...formats.safetensors_header import HeaderError, check_file
 from ...compute.lora import LoraSet
 from ..cache import FeatureCache
@@ -135,7 +135,7 @@ def save_checkpoint(out: Path, step: int, lora: LoraSet, optimizer: torch.optim.
     root = RunFolder(out).checkpoints
     what = f"the checkpoint at step {step}"
     check_finite_lora(lora, what)
-    if not all(is_finite(torch.as_tensor(v)) for st in optimizer.state.values() for v in st.values()):
+    if non_finite((k, torch.as_tensor(v)) for st in optimizer.state.values() for k, v in st.items()):
         raise NonFinite(f"{what}: not saved, the optimizer's state holds NaN or infinite values; training "
                         "diverged: lower lr or turn on gradient clipping (max_grad_norm), and resume from the last "
                         "good checkpoint")
