@@ -8,7 +8,14 @@ from __future__ import annotations
 import importlib
 from importlib.util import find_spec
 
+import torch
+
 HAS_TRITON = find_spec("triton") is not None       # (found, not imported)
+
+
+def runs_kernel(t: torch.Tensor) -> bool:
+    """Whether an op of this folder takes its Triton kernel for a tensor here (CUDA, Triton installed)."""
+    return HAS_TRITON and t.device.type == "cuda"
 
 
 def cdiv(a: int, b: int) -> int:

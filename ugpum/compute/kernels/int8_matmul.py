@@ -9,12 +9,7 @@ from __future__ import annotations
 import torch
 from torch.library import triton_op, wrap_triton
 
-from . import HAS_TRITON, cdiv
-
-
-def runs_kernel(a: torch.Tensor) -> bool:
-    """Whether `int8_scaled_mm` takes the Triton kernel for this operand (CUDA, Triton installed)."""
-    return HAS_TRITON and a.device.type == "cuda"
+from . import cdiv, runs_kernel
 
 
 @triton_op("ugpum::int8_scaled_mm", mutates_args=())

@@ -10,12 +10,7 @@ from __future__ import annotations
 import torch
 from torch.library import triton_op, wrap_triton
 
-from . import HAS_TRITON, cdiv
-
-
-def runs_kernel(out: torch.Tensor) -> bool:
-    """Whether `add_up_projection` takes the Triton kernel for this output (CUDA, Triton installed)."""
-    return HAS_TRITON and out.device.type == "cuda"
+from . import cdiv, runs_kernel
 
 
 @triton_op("ugpum::add_up_projection", mutates_args=())
