@@ -23,7 +23,7 @@ from ugpum.train.cache import dataset_hash
 from ugpum.train.config import ConfigError, TrainConfig, load_config
 from ugpum.train.dataset import DatasetError, load_image_folder, read_caption
 from ugpum.train.pictures import IMAGE_EXTENSIONS, image_size, open_rgb
-from ugpum.train.divergence import NonFiniteStep, check_step
+from ugpum.train.divergence import NonFiniteStep, check_step, clip_with_norm
 
 REPO = Path(__file__).resolve().parents[2]
 LORANNE = REPO / "demo_datasets" / "loranne"
@@ -113,6 +113,25 @@ def test_a_non_finite_step_stops_naming_it_before_the_optimizer_applies_it():
         check_step(1, float("nan"), [], cfg)
     p.grad = torch.ones(3)
     check_step(2, 1.0, [p], cfg)                                  # finite: nothing said
+
+
+def test_clipping_with_the_checked_norm_scales_as_clip_grad_norm_does():
+    """The loop clips with the norm `check_step` measured (`clip_with_norm`), not a second pass over the gradients:
+    the same gradients as torch's clip_grad_norm_, bit for bit."""
+    cfg = SimpleNamespace(max_grad_norm=1.0, lr=1e-2)
+    g = torch.Generator().manual_seed(0)
+    grads = [torch.randn(5, 3, generator=g) * 4, torch.randn(7, generator=g)]
+    ours, torchs = ([nn.Parameter(torch.zeros_like(t)) for t in grads] for _ in range(2))
+    for p, q, t in zip(ours, torchs, grads):
+        p.grad, q.grad = t.clone(), t.clone()
+    loss, norm = check_step(3, 2.0, ours, cfg)
+    assert loss == 2.0 and float(norm) > 1.0                        # (large enough to be clipped)
+    clip_with_norm(ours, 1.0, norm)
+    torch.nn.utils.clip_grad_norm_(torchs, 1.0)
+    for p, q in zip(ours, torchs):
+        assert torch.equal(p.grad, q.grad)
+    assert check_step(4, 1.0, [], cfg) == (1.0, None)
+    clip_with_norm([], 1.0, None)                                   # no gradients: nothing to do
 
 
 def test_unusable_folders_are_one_sentence_with_the_fix(tmp_path):

@@ -224,8 +224,8 @@ class TorchrunRankStepper:
         """Nothing ahead: a rank reads each run's losses as its schedule ends (`run_schedule`), a host sync
         per run of micro-batches, so inputs made early would not keep its GPU busier."""
 
-    def clip(self, max_norm: float) -> None:
-        clip_pipeline(self.params, max_norm, self.top)
+    def clip(self, max_norm: float, norm: torch.Tensor | None) -> None:
+        clip_pipeline(self.params, max_norm, self.top)      # (`norm` is this rank's part: measured there whole)
 
     def agree(self, step: int, loss: float, due: bool) -> tuple[float, bool, Stop | None]:
         """Every rank learns the step's loss (the last stages' sum), whether rank 0 is due to save, and

@@ -27,17 +27,31 @@ def _read(values: list[torch.Tensor]) -> list[float]:
     return torch.stack([v.detach().reshape(()).to(first, torch.float64) for v in values]).tolist()   # (exact)
 
 
-def check_step(step: int, loss: float | list[torch.Tensor], params: list[torch.nn.Parameter], cfg) -> float:
+def clip_with_norm(params: list[torch.nn.Parameter], max_norm: float, norm: torch.Tensor | None) -> None:
+    """`torch.nn.utils.clip_grad_norm_(params, max_norm)` with their joint norm already measured (`check_step`'s):
+    the same scaling, without a second pass over every gradient."""
+    if norm is None:
+        return                                   # (no gradients)
+    if hasattr(torch.nn.utils, "clip_grads_with_norm_"):
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    else:
+        torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+
+def check_step(step: int, loss: float | list[torch.Tensor], params: list[torch.nn.Parameter],
+               cfg) -> tuple[float, torch.Tensor | None]:
     """Raise NonFiniteStep for step `step` (counted from 1) when its loss or its gradients are not finite;
-    else the step's loss. `loss`: a number, or the micro-batches' losses as tensors, summed in order once read:
-    they and the gradients' norm are read together, the step's one host sync."""
+    else (the step's loss, the gradients' joint norm on their device, None without gradients: `clip_with_norm`
+    takes it). `loss`: a number, or the micro-batches' losses as tensors, summed in order once read: they and
+    the gradients' norm are read together, the step's one host sync."""
     grads = [p.grad for p in params if p.grad is not None]
     losses = loss if isinstance(loss, list) else []
-    *parts, norm = _read([*losses, _total_norm(grads) if grads else torch.zeros(())])
+    norm_tensor = _total_norm(grads) if grads else None
+    *parts, norm = _read([*losses, norm_tensor if norm_tensor is not None else torch.zeros(())])
     if isinstance(loss, list):
         loss = sum(parts)
     if math.isfinite(loss) and math.isfinite(norm):
-        return loss
+        return loss, norm_tensor
     what = f"the loss is {loss}" if not math.isfinite(loss) else f"the gradients' norm is {norm}"
     clip = "" if cfg.max_grad_norm else ", turn gradient clipping on (max_grad_norm = 1.0)"
     raise NonFiniteStep(f"step {step}: {what}, so the run stopped before applying it (the LoRA stays as step "

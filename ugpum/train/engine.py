@@ -72,8 +72,10 @@ class Stepper(Protocol):
         """Make micro-batch k's inputs now, ahead of its step: the loop asks for the next step's first while the
         GPUs still run this step (the engine may also do nothing and make them in their turn)."""
 
-    def clip(self, max_norm: float) -> None:
-        """Clip the gradients of the whole LoRA to `max_norm` (their norm over every process)."""
+    def clip(self, max_norm: float, norm: torch.Tensor | None) -> None:
+        """Clip the gradients of the whole LoRA to `max_norm` (their norm over every process). `norm`: the norm of
+        this process's gradients as `divergence.check_step` measured it (a device tensor; None: no gradients),
+        the whole LoRA's where one process holds it all."""
 
     def agree(self, step: int, loss: float, due: bool) -> tuple[float, bool, Stop | None]:
         """After step `step`: (its loss, whether a save is due, the stop every process takes now or None),

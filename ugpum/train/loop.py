@@ -259,9 +259,9 @@ class RunState:
             loss = stepper.forward_backward(ks, self.features, micro_batches)
             if self.step + 1 < cfg.steps:         # the next step's inputs while the GPUs run this one
                 stepper.prepare_inputs(ks[-1] + 1, self.features, micro_batches)
-            loss = check_step(self.step + 1, loss, stepper.params, cfg)   # NaN or inf: stop before applying it
+            loss, norm = check_step(self.step + 1, loss, stepper.params, cfg)   # NaN or inf: stop before applying it
             if cfg.max_grad_norm:
-                stepper.clip(cfg.max_grad_norm)
+                stepper.clip(cfg.max_grad_norm, norm)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             self.step += 1

@@ -12,6 +12,7 @@ from contextlib import AbstractContextManager
 
 import torch
 
+from .divergence import clip_with_norm
 from .run.checkpoint import load_checkpoint
 from .objective import InputsAhead, loss_at, micro_batch_inputs, validation_loss
 from .prepare import plan_for
@@ -82,8 +83,8 @@ class OneProcessStepper:
         return micro_batch_inputs(self.cfg, self.spec, [features.latents[i] for i in picked],
                                   [features.contexts[i] for i in picked], k, device)
 
-    def clip(self, max_norm: float) -> None:
-        torch.nn.utils.clip_grad_norm_(self.params, max_norm)
+    def clip(self, max_norm: float, norm: torch.Tensor | None) -> None:
+        clip_with_norm(self.params, max_norm, norm)          # (this process holds the whole LoRA)
 
     def agree(self, step: int, loss: float, due: bool) -> tuple[float, bool, None]:
         """(loss, a save due, no stop): one process agrees with itself; a signal has raised already."""
