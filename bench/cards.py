@@ -280,9 +280,11 @@ def main(argv=None) -> int:
     p.add_argument("--speed-rows", help="also append issue 23's `impl: ugpum_cli` row (bench/results/speed.json's "
                                         "fields) to this JSON lines file")
     p.add_argument("--call", default="", help="which GPU run the speed row belongs to (the peer's --call)")
-    p.add_argument("--experiment", default="", choices=["", "comfy-attention", "gemm-autotune", *kernels.KERNELS],
+    p.add_argument("--experiment", default="",
+                   choices=["", "comfy-attention", "gemm-autotune", "plain-ops", *kernels.KERNELS],
                    help="a what-if: comfy-attention = attention as ComfyUI 0.33 chooses it (flash first); "
-                        "gemm-autotune = inductor's max_autotune_gemm; lora-kernel, int8-kernel: ugpum.compute.kernels")
+                        "gemm-autotune = inductor's max_autotune_gemm; plain-ops = none of ugpum.compute.kernels; "
+                        "lora-kernel, int8-kernel: that kernel alone")
     a = p.parse_args(argv)
     if a.experiment == "comfy-attention":
         import ugpum.arch.attention as attention
@@ -290,8 +292,10 @@ def main(argv=None) -> int:
     if a.experiment == "gemm-autotune":
         import torch._inductor.config as inductor
         inductor.max_autotune_gemm = True
-    if a.experiment in kernels.KERNELS:
-        kernels.turn_on(a.experiment)
+    if a.experiment in kernels.KERNELS:                 # that kernel alone
+        kernels.ON_BY_DEFAULT = (a.experiment,)
+    if a.experiment == "plain-ops":                     # PyTorch's ops where a kernel would run
+        kernels.ON_BY_DEFAULT = ()
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
     config, out = work / "config.toml", work / "run"

@@ -18,11 +18,11 @@
 #               all; ours' timeline kept too)
 #   eight-bit   ours with the int8 and the fp8 base (recompute all) under inductor's GEMM autotuning
 #               (bench/cards.py --experiment gemm-autotune: the rescale in the matmul's epilogue)
-#   kernel-ab   ours, recompute all, without and with a kernel: KERNEL_AB's MODE:EXPERIMENT pairs (bench/cards.py
-#               --experiment lora-kernel | int8-kernel)
+#   kernel-ab   ours, recompute all, as it runs and with an experiment: KERNEL_AB's MODE:EXPERIMENT pairs
+#               (bench/cards.py --experiment plain-ops | lora-kernel | int8-kernel: no kernel, or that kernel alone)
 #   trace       the peer, then ours in bf16 and fp8 (recompute all) with their kernel tables and timelines
 #   judge       the peer, then ours in each base-compute mode and recompute setting (issue 41's rows; the
-#               8-bit modes' kernel tables kept; JUDGE_8BIT: which 8-bit modes)
+#               8-bit modes' kernel tables kept; JUDGE: which rows, MODE-RECOMPUTE[-CARD GiB])
 #   wan-judge   Wan 2.1 14B at 640² x 17 frames: a diffusers + PEFT peer (bench/peer_wan.py), then ours
 #   cards       klein 9B, base compute auto + recompute auto, as the cards people own (CARDS: sizes in GiB,
 #               `whole`, or CARD:VARIANT neighbours of the planner's pick: kept+2 swapped-2 ...)
@@ -124,13 +124,14 @@ for s in $sections; do
     done ;;
   judge) model_file $k9 flux2-klein-9b
     [ -n "${peer_done:-}" ] || peer judge-peer .carry/peer_reference.py --steps 8
-    case_row judge-bf16-all "$COMFYUI_PATH" $ours --base-compute bf16 --recompute all
-    # (the 8-bit rows' kernel tables too: their median step is of 8, two of them profiled)
-    for m in ${JUDGE_8BIT:-fp8 int8}; do PROFILE=1 case_row judge-$m-all "$COMFYUI_PATH" $ours --base-compute $m --recompute all; done
-    for m in bf16 fp8; do case_row judge-$m-auto "$COMFYUI_PATH" $ours --base-compute $m --recompute auto; done
-    case_row judge-bf16-auto-24 "$COMFYUI_PATH" $ours --base-compute bf16 --recompute auto --card-gib 24 ;;
+    for r in ${JUDGE:-bf16-all fp8-all int8-all bf16-auto fp8-auto bf16-auto-24}; do    # MODE-RECOMPUTE[-CARD GiB]
+      IFS=- read -r m rec card <<< "$r"
+      # (the 8-bit rows' kernel tables too: their median step is of 8, two of them profiled)
+      PROFILE=$([ $m != bf16 ] && [ $rec = all ] && echo 1) case_row judge-$r "$COMFYUI_PATH" $ours \
+        --base-compute $m --recompute $rec ${card:+--card-gib $card}
+    done ;;
   kernel-ab) model_file $k9 flux2-klein-9b  # ours without and with a kernel of ugpum.compute.kernels, mode by mode
-    for pair in ${KERNEL_AB:-bf16:lora-kernel int8:int8-kernel fp8:lora-kernel}; do
+    for pair in ${KERNEL_AB:-fp8:plain-ops}; do
       m=${pair%%:*} x=${pair#*:}
       case_row ab-$m-all "$COMFYUI_PATH" $ours --base-compute $m --recompute all
       case_row ab-$m-all-$x "$COMFYUI_PATH" $ours --base-compute $m --recompute all --experiment $x

@@ -44,6 +44,8 @@ def test_the_op_gives_the_plain_forms_values_and_gradients(compiled):
 
 def _in_the_interpreter(script: str) -> None:
     pytest.importorskip("triton")
+    if torch.cuda.is_available():       # (Triton 3.6's interpreter beside a GPU failed these: there the CUDA tests run)
+        pytest.skip("on a GPU the kernels themselves run (the CUDA tests below)")
     env = dict(os.environ, TRITON_INTERPRET="1")
     done = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], env=env, capture_output=True, text=True,
                           timeout=240)
@@ -121,7 +123,7 @@ def test_on_cuda_the_kernel_gives_the_plain_forms_values_and_gradients_in_bf16(m
 def test_on_cuda_the_int8_kernel_matches_int_mm_in_bf16(m, n, k):
     a, sa, b, sb = _int8_operands(m, n, k, "cuda")
     got = int8_scaled_mm(a, sa, b, sb, torch.bfloat16).float()
-    want = torch._int_mm(a, b.t()).float() * sa * sb
+    want = (a.double() @ b.double().t()).float() * sa * sb       # (_int_mm needs multiples of 8)
     assert (got - want).norm() <= 4e-3 * want.norm()
 
 
@@ -134,8 +136,8 @@ def test_triton_is_imported_only_once_a_kernel_is_turned_on():
         import ugpum.commands.plan, ugpum.commands.train, ugpum.compute.lora as lora, ugpum.compute.modes.int8 as int8
         from ugpum.compute import kernels
         assert "triton" not in sys.modules and lora.FUSED_UP_PROJECTION is None and int8.TRITON_KERNEL is None
-        for name in kernels.KERNELS:
-            kernels.turn_on(name)
+        assert kernels.turn_on_measured(["cpu"]) == [] and "triton" not in sys.modules    # a CPU run: the plain ops
+        assert kernels.turn_on_measured(["cpu", "cuda:0"]) == list(kernels.ON_BY_DEFAULT) == list(kernels.KERNELS)
         from ugpum.compute.kernels import int8_matmul, lora_up
         assert lora.FUSED_UP_PROJECTION is lora_up.add_up_projection and int8.TRITON_KERNEL is int8_matmul.int8_scaled_mm
         print("ok", "triton" in sys.modules)

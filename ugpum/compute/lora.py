@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 # On CUDA, the up-projection added in one Triton pass by this op (`ugpum.compute.kernels.lora_up`, set by
-# `kernels.turn_on`); None, until a GPU run has measured it against them: the two-op forms below.
+# `kernels.turn_on`, which a CUDA run calls); None: the two-op forms below.
 FUSED_UP_PROJECTION = None
 
 

@@ -12,6 +12,7 @@ from ..arch import ArchSpec, get_spec
 from ..compute.base_compute import QuantiseAsLoaded, check_devices, use_base_compute
 from ..compute.modes import mode_named
 from ..compute.recompute import recompute_blocks
+from ..compute import kernels
 from ..compute.compile import compile_blocks
 from ..planning.devices import resolve_devices
 from ..planning.forecast import recompute_line
@@ -74,6 +75,9 @@ def make_trainable(cfg: TrainConfig, plan: Plan, spec, model, block_paths: list[
         undo_8bit = lambda: None                 # noqa: E731 - nothing to put back: the model is dropped after
     else:
         undo_8bit = use_base_compute(model, base_linear_paths(spec, block_paths), plan.base_compute, log, keep="cpu")
+    turned_on = kernels.turn_on_measured(s.torch_device for c in plan.copies for s in c.stages if s.torch_device)
+    if turned_on:
+        log(f"kernels: {', '.join(turned_on)} (Triton)")
     recomputed = recomputed_paths(plan, spec, block_paths)
     guards = guard_inplace_residuals(model, include_rms=False)
     undo_compile = compile_blocks(model, block_paths, cfg.compile, log)

@@ -2,7 +2,8 @@
 (`lora_up`, `int8_matmul`) with a PyTorch form for the CPU and for installs without Triton, its kernel in
 `triton_kernels` (tests run both forms: the kernels in Triton's interpreter). Registering a Triton op imports
 Triton, a second or more that every start of the CLI and of the node pack would pay: an op's module is imported
-only when `turn_on` names it, and the code that uses it reads it from there."""
+only when `turn_on` names it (a training run on CUDA: `turn_on_measured`), and the code that uses it reads it
+from there."""
 from __future__ import annotations
 
 import importlib
@@ -28,9 +29,23 @@ KERNELS = {"lora-kernel": ("lora_up", "add_up_projection", "ugpum.compute.lora",
            "int8-kernel": ("int8_matmul", "int8_scaled_mm", "ugpum.compute.modes.int8", "TRITON_KERNEL")}
 
 
+# The kernels a GPU run measured faster than PyTorch's ops, klein 9B, recompute all, one H100 (bench/results/README.md,
+# "The fifth call set"): lora-kernel 0.4798 -> 0.4732 s/step in bf16; int8-kernel 0.4611 -> 0.4117 in int8.
+ON_BY_DEFAULT = ("lora-kernel", "int8-kernel")
+
+
 def turn_on(name: str) -> None:
-    """From now on run kernel `name` (a key of KERNELS) wherever its op runs on CUDA (`bench/cards.py
-    --experiment NAME`: the kernels stay off until a GPU run has measured them against PyTorch's ops)."""
+    """From now on run kernel `name` (a key of KERNELS) wherever its op runs on CUDA."""
     module, op, user, setting = KERNELS[name]
     found = getattr(importlib.import_module(f"{__name__}.{module}"), op)
     setattr(importlib.import_module(user), setting, found)
+
+
+def turn_on_measured(devices) -> list[str]:
+    """Turn on the kernels of ON_BY_DEFAULT when a training device (torch devices or their names) is CUDA and
+    Triton is installed; the names turned on (none on the CPU, where the ops' PyTorch forms run anyway)."""
+    if not HAS_TRITON or not any(torch.device(d).type == "cuda" for d in devices):
+        return []
+    for name in ON_BY_DEFAULT:
+        turn_on(name)
+    return list(ON_BY_DEFAULT)

@@ -7,7 +7,7 @@ import torch
 from .mode import ComputeMode
 
 # On CUDA, the matmul and its rescale in one Triton kernel on Hopper's int8 instructions: this op
-# (`ugpum.compute.kernels.int8_matmul`, set by `kernels.turn_on`); None, until a GPU run has measured it: _int_mm.
+# (`ugpum.compute.kernels.int8_matmul`, set by `kernels.turn_on`, which a CUDA run calls); None: _int_mm.
 TRITON_KERNEL = None
 
 
