@@ -281,9 +281,10 @@ def main(argv=None) -> int:
                                         "fields) to this JSON lines file")
     p.add_argument("--call", default="", help="which GPU run the speed row belongs to (the peer's --call)")
     p.add_argument("--experiment", default="",
-                   choices=["", "comfy-attention", "gemm-autotune", "plain-ops", *kernels.KERNELS],
+                   choices=["", "comfy-attention", "gemm-autotune", "plain-ops", "lora-hook", *kernels.KERNELS],
                    help="a what-if: comfy-attention = attention as ComfyUI 0.33 chooses it (flash first); "
                         "gemm-autotune = inductor's max_autotune_gemm; plain-ops = none of ugpum.compute.kernels; "
+                        "lora-hook = the LoRA added after the base matmul (not as its addend); "
                         "lora-kernel, int8-kernel: that kernel alone")
     a = p.parse_args(argv)
     if a.experiment == "comfy-attention":
@@ -296,6 +297,9 @@ def main(argv=None) -> int:
         kernels.ON_BY_DEFAULT = (a.experiment,)
     if a.experiment == "plain-ops":                     # PyTorch's ops where a kernel would run
         kernels.ON_BY_DEFAULT = ()
+    if a.experiment == "lora-hook":                     # the LoRA added after each base matmul, not in it
+        import ugpum.compute.lora as lora
+        lora.IN_BASE_MATMUL = False
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
     config, out = work / "config.toml", work / "run"

@@ -124,11 +124,13 @@ for s in $sections; do
     done ;;
   judge) model_file $k9 flux2-klein-9b
     [ -n "${peer_done:-}" ] || peer judge-peer .carry/peer_reference.py --steps 8
-    for r in ${JUDGE:-bf16-all fp8-all int8-all bf16-auto fp8-auto bf16-auto-24}; do    # MODE-RECOMPUTE[-CARD GiB]
-      IFS=- read -r m rec card <<< "$r"
-      # (the 8-bit rows' kernel tables too: their median step is of 8, two of them profiled)
-      PROFILE=$([ $m != bf16 ] && [ $rec = all ] && echo 1) case_row judge-$r "$COMFYUI_PATH" $ours \
-        --base-compute $m --recompute $rec ${card:+--card-gib $card}
+    # rows MODE-RECOMPUTE[-CARD GiB][@EXPERIMENT]; those of recompute all with their kernel tables (the median
+    # step of the other 8)
+    for r in ${JUDGE:-bf16-all fp8-all int8-all bf16-auto fp8-auto bf16-auto-24}; do
+      IFS=- read -r m rec card <<< "${r%@*}"
+      x=$([ "$r" = "${r%@*}" ] || echo "--experiment ${r#*@}")
+      PROFILE=$([ $rec = all ] && echo 1) case_row judge-${r/@/-} "$COMFYUI_PATH" $ours \
+        --base-compute $m --recompute $rec ${card:+--card-gib $card} $x
     done ;;
   kernel-ab) model_file $k9 flux2-klein-9b  # ours without and with a kernel of ugpum.compute.kernels, mode by mode
     for pair in ${KERNEL_AB:-fp8:plain-ops}; do

@@ -24,6 +24,9 @@ from torch import nn
 # On CUDA, the up-projection added in one Triton pass by this op (`ugpum.compute.kernels.lora_up`, set by
 # `kernels.turn_on`, which a CUDA run calls); None: the two-op forms below.
 FUSED_UP_PROJECTION = None
+# Whether a plain base matmul takes its LoRA as its addend (`LoraSet.add_in_base_matmuls`; bench/cards.py
+# --experiment lora-hook measures the hook's form beside it).
+IN_BASE_MATMUL = True
 
 
 class LoraAdapter(nn.Module):
@@ -72,8 +75,47 @@ class _Hook:
     def __init__(self, adapter: LoraAdapter):
         self.adapter = adapter
 
-    def __call__(self, _module, args, out):
+    def __call__(self, module, args, out):
+        if getattr(type(module), "_ugpum_lora_in_matmul", False):     # its forward added the LoRA already
+            return out
         return self.adapter.add_to(args[0], out)
+
+
+def _forward_with_lora(self, x: torch.Tensor) -> torch.Tensor:
+    """A plain Linear's forward with its LoRA as the base matmul's addend: `addmm(c, x, W^T)`, c = b + h @ (s B)^T.
+    The up-projection's [tokens, out] product is written once and read by the GEMM's epilogue, which the big
+    matmul's arithmetic hides; no pass of its own over the output, forward or backward (the scale is on B)."""
+    adapter, w = self._ugpum_lora, self.weight
+    if x.dtype != w.dtype or x.device != w.device or torch.is_autocast_enabled(x.device.type):
+        return adapter.add_to(x, self._ugpum_plain_class.forward(self, x))
+    x2 = x.reshape(-1, x.shape[-1])
+    h = x2 @ adapter.A.to(x.dtype).t()
+    c = h @ (adapter.B * adapter.scale).to(x.dtype).t()
+    if self.bias is not None:
+        c = c + self.bias
+    return torch.addmm(c, x2, w.t()).view(*x.shape[:-1], w.shape[0])
+
+
+_classes: dict[type, type] = {}
+
+
+def _class_with_lora(cls: type) -> type:
+    """A subclass of a Linear's class whose forward adds the LoRA in the matmul (swapped in, not set per layer:
+    one code object for every layer, so a compiled block traces it once)."""
+    if cls not in _classes:
+        _classes[cls] = type(f"{cls.__name__}WithLora", (cls,),
+                             {"forward": _forward_with_lora, "_ugpum_plain_class": cls, "_ugpum_lora_in_matmul": True})
+    return _classes[cls]
+
+
+def _plain_matmul(layer: nn.Module) -> bool:
+    """Whether a layer computes `F.linear` of its stored weight: a Linear with a plain 16- or 32-bit weight that
+    ComfyUI's ops neither cast nor patch (no weight or bias functions), not an 8-bit base (`base_compute`)."""
+    return (isinstance(layer, nn.Linear) and not hasattr(type(layer), "_ugpum_base_class")
+            and not hasattr(type(layer), "_ugpum_plain_class") and type(layer.weight) in (nn.Parameter, torch.Tensor)
+            and layer.weight.dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and not getattr(layer, "comfy_cast_weights", False) and not getattr(layer, "weight_function", None)
+            and not getattr(layer, "bias_function", None))
 
 
 class LoraSet(nn.Module):
@@ -84,6 +126,7 @@ class LoraSet(nn.Module):
         self.adapters = nn.ModuleDict()
         self._paths: dict[str, str] = {}
         self._handles: list = []
+        self._in_matmul: list[tuple[nn.Module, type]] = []     # layers whose class adds the LoRA in the matmul
 
     @staticmethod
     def _key(path: str) -> str:
@@ -109,10 +152,26 @@ class LoraSet(nn.Module):
         for _, a in self.items():
             a.strength = strength
 
+    def add_in_base_matmuls(self, model: nn.Module) -> int:
+        """Where a target's base matmul is plain (bf16 ComfyUI ops, not 8-bit: call after `use_base_compute`),
+        its forward takes the LoRA as the matmul's addend (`_forward_with_lora`) and its hook stands aside.
+        Returns how many layers; `remove` puts their classes back."""
+        for key, adapter in self.adapters.items():
+            layer = model.get_submodule(self._paths[key])
+            if IN_BASE_MATMUL and _plain_matmul(layer):
+                layer.__dict__["_ugpum_lora"] = adapter        # (not a submodule: the model's state dict is unchanged)
+                self._in_matmul.append((layer, type(layer)))
+                layer.__class__ = _class_with_lora(type(layer))
+        return len(self._in_matmul)
+
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        for layer, cls in self._in_matmul:
+            layer.__class__ = cls
+            del layer.__dict__["_ugpum_lora"]
+        self._in_matmul.clear()
 
     def tensors(self) -> dict[str, dict[str, torch.Tensor]]:
         return {p: {"A": a.A.detach(), "B": a.B.detach(), "alpha": a.alpha} for p, a in self.items()}
