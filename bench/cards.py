@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import importlib
 import io
 import json
 import os
@@ -231,15 +232,13 @@ class Clock:
 def comfyui_used() -> dict:
     """Which ComfyUI the run imported, and whether comfy-kitchen's CUDA kernels were there (issue 41: every
     speed row says both; a user's install has the kernels, bench/pack_device.sh's default site has not)."""
-    comfy = sys.modules.get("comfy")
-    where = Path(list(comfy.__path__)[0]).parent if comfy is not None else None
+    comfy, kitchen = sys.modules.get("comfy"), sys.modules.get("comfy_kitchen")
     found = {"comfyui": None, "comfyui_commit": None, "kitchen_cuda": None}
-    if where is not None:
+    if comfy is not None:
         from comfy_bridge import comfyui_version
-        found["comfyui"] = comfyui_version(where)
-        commit = where / "COMMIT"
-        found["comfyui_commit"] = commit.read_text().strip() if commit.is_file() else None
-    kitchen = sys.modules.get("comfy_kitchen")
+        where = Path(list(comfy.__path__)[0]).parent
+        commit = (where / "COMMIT").read_text().strip() if (where / "COMMIT").is_file() else None
+        found.update(comfyui=comfyui_version(where), comfyui_commit=commit)
     if kitchen is not None:
         found["kitchen_cuda"] = bool(kitchen.list_backends().get("cuda", {}).get("available"))
     return found
@@ -253,6 +252,17 @@ def write_config(path: Path, a) -> None:
              "sample_every = 0", f'compile = "{a.compile}"', f'base_compute = "{a.base_compute}"', "lr = 1e-4",
              'devices = ["auto"]', "stand_in_encoders = true", f'recompute = "{a.recompute}"']
     path.write_text("\n".join(lines) + "\n")
+
+
+# what-ifs (--experiment): a setting changed before the run, (module, name, value)
+EXPERIMENTS = {
+    "comfy-attention": ("ugpum.arch.attention", "torch_attention",     # attention as ComfyUI 0.33 chooses it
+                        lambda comfy_attention, *args, **kwargs: comfy_attention(*args, **kwargs)),
+    "gemm-autotune": ("torch._inductor.config", "max_autotune_gemm", True),
+    "plain-ops": ("ugpum.compute.kernels", "ON_BY_DEFAULT", ()),         # PyTorch's ops, no kernel of ours
+    **{name: ("ugpum.compute.kernels", "ON_BY_DEFAULT", (name,)) for name in kernels.KERNELS},   # that one alone
+    "lora-hook": ("ugpum.compute.lora", "IN_BASE_MATMUL", False),      # the LoRA after the base matmul, not in it
+}
 
 
 def main(argv=None) -> int:
@@ -280,28 +290,12 @@ def main(argv=None) -> int:
     p.add_argument("--speed-rows", help="also append issue 23's `impl: ugpum_cli` row (bench/results/speed.json's "
                                         "fields) to this JSON lines file")
     p.add_argument("--call", default="", help="which GPU run the speed row belongs to (the peer's --call)")
-    p.add_argument("--experiment", default="",
-                   choices=["", "comfy-attention", "gemm-autotune", "plain-ops", "lora-hook", *kernels.KERNELS],
-                   help="a what-if: comfy-attention = attention as ComfyUI 0.33 chooses it (flash first); "
-                        "gemm-autotune = inductor's max_autotune_gemm; plain-ops = none of ugpum.compute.kernels; "
-                        "lora-hook = the LoRA added after the base matmul (not as its addend); "
-                        "lora-kernel, int8-kernel: that kernel alone")
+    p.add_argument("--experiment", default="", choices=["", *EXPERIMENTS], help="a what-if (EXPERIMENTS)")
     a = p.parse_args(argv)
-    if a.experiment == "comfy-attention":
-        import ugpum.arch.attention as attention
-        attention.torch_attention = lambda comfy_attention, *args, **kwargs: comfy_attention(*args, **kwargs)
-    if a.experiment == "gemm-autotune":
-        import torch._inductor.config as inductor
-        inductor.max_autotune_gemm = True
-    if a.experiment in kernels.KERNELS:                 # that kernel alone
-        kernels.ON_BY_DEFAULT = (a.experiment,)
-    if a.experiment == "plain-ops":                     # PyTorch's ops where a kernel would run
-        kernels.ON_BY_DEFAULT = ()
-    if a.experiment == "lora-hook":                     # the LoRA added after each base matmul, not in it
-        import ugpum.compute.lora as lora
-        lora.IN_BASE_MATMUL = False
-    work = Path(a.work)
-    work.mkdir(parents=True, exist_ok=True)
+    if a.experiment:
+        module, name, value = EXPERIMENTS[a.experiment]
+        setattr(importlib.import_module(module), name, value)
+    (work := Path(a.work)).mkdir(parents=True, exist_ok=True)
     config, out = work / "config.toml", work / "run"
     write_config(config, a)
     cap_card(a.card_gib)
@@ -322,12 +316,10 @@ def main(argv=None) -> int:
                cli=" ".join(["python -m ugpum", *argv_train]),
                gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
                torch=torch.__version__, **comfyui_used())
-    append_line(a.rows, json.dumps(row))
-    print(json.dumps(row))
-    if a.speed_rows:
-        speed = speed_row(a, row, plans[-1] if plans else None)
-        append_line(a.speed_rows, json.dumps(speed))
-        print(json.dumps(speed))
+    for rows, kept in ((a.rows, row), (a.speed_rows, a.speed_rows and speed_row(a, row, (plans or [None])[-1]))):
+        if rows:
+            append_line(rows, json.dumps(kept))
+            print(json.dumps(kept))
     return rc
 
 
