@@ -1,18 +1,25 @@
-"""LoRA adapters on a model's Linear layers, added as forward hooks (the base module is untouched).
+"""LoRA adapters on a model's Linear layers, added as forward hooks (the base module is untouched), or, for
+training, inside the base matmul itself.
 
 Each adapter lives on its layer's device, keeps fp32 master weights, and adds
 `(alpha / rank) * B(A(x))` to the layer's output. B starts at zero, so a fresh LoRA changes nothing.
 
-The lean path (issue 16): per call, two kernels beyond the base matmul and no extra pass over the
-activation or the output. `h = x @ A^T` reads the activation once (the [tokens, rank] result is tiny),
-then ONE `addmm(out, h, B^T, alpha=scale)` does the second matmul, the scale and the residual add in the
-GEMM's epilogue (before: matmul, matmul, mul, add, and two casts: every one a pass over
-[tokens, out_features]). Autograd needs nothing cached: addmm's backward is two small GEMMs (grad_h =
-scale * grad @ B, grad_B = scale * grad^T @ h) and the A matmul's backward the usual two; the masters
-stay fp32 parameters (under autocast the casts to bf16 are autograd ops, so their gradients land in
-fp32). Inside a block compiled by `ugpum.compute.compile`, the hook is traced into the block's graph (Dynamo
-inlines module hooks of inbuilt nn.Modules) and the up-projection is a plain matmul instead: inductor adds it
-into the kernel that next reads the layer's output, which the GPU measured cheaper than the addmm.
+In training, a layer whose base is a plain matmul (bf16 ComfyUI ops; `LoraSet.add_in_base_matmuls`) takes the
+LoRA as the matmul's addend: `c = h @ (s B)^T` with h = x @ A^T, then `addmm(c, x, W^T)`. The up-projection's
+[tokens, out_features] product is written once and read by the big GEMM's epilogue, which its arithmetic
+hides; the backward passes the output's gradient to c as it is (the scale is on B, [out_features, rank]). The
+hook's form below costs a pass of its own over the output forward and one backward: 29 ms of a klein 9B step
+on an H100 (bench/results/README.md).
+
+The hook's form (8-bit bases, patched or cast weights, previews): per call, two kernels beyond the base matmul.
+`h = x @ A^T` reads the activation once (the [tokens, rank] result is tiny), then ONE `addmm(out, h, B^T,
+alpha=scale)` does the second matmul, the scale and the residual add in the GEMM's epilogue. Autograd needs
+nothing cached: addmm's backward is two small GEMMs (grad_h = scale * grad @ B, grad_B = scale * grad^T @ h)
+and the A matmul's backward the usual two; the masters stay fp32 parameters (under autocast the casts to bf16
+are autograd ops, so their gradients land in fp32). Inside a block compiled by `ugpum.compute.compile`, the hook
+is traced into the block's graph (Dynamo inlines module hooks of inbuilt nn.Modules) and the up-projection is a
+plain matmul instead (or the Triton op of `ugpum.compute.kernels.lora_up` on CUDA): inductor adds it into the
+kernel that next reads the layer's output, which the GPU measured cheaper than the addmm.
 """
 from __future__ import annotations
 
