@@ -83,7 +83,7 @@ class _Hook:
         self.adapter = adapter
 
     def __call__(self, module, args, out):
-        if getattr(type(module), "_ugpum_lora_in_matmul", False):     # its forward added the LoRA already
+        if type(module).forward is _forward_with_lora:     # the forward added it (not an 8-bit subclass of that)
             return out
         return self.adapter.add_to(args[0], out)
 
@@ -92,12 +92,13 @@ def _forward_with_lora(self, x: torch.Tensor) -> torch.Tensor:
     """A plain Linear's forward with its LoRA as the base matmul's addend: `addmm(c, x, W^T)`, c = b + h @ (s B)^T.
     The up-projection's [tokens, out] product is written once and read by the GEMM's epilogue, which the big
     matmul's arithmetic hides; no pass of its own over the output, forward or backward (the scale is on B)."""
-    adapter, w = self._ugpum_lora, self.weight
-    if x.dtype != w.dtype or x.device != w.device or torch.is_autocast_enabled(x.device.type):
+    adapter, w, on = self._ugpum_lora, self.weight, x.device.type
+    compute = torch.get_autocast_dtype(on) if torch.is_autocast_enabled(on) else x.dtype    # what F.linear would use
+    if compute != w.dtype or x.device != w.device:
         return adapter.add_to(x, self._ugpum_plain_class.forward(self, x))
-    x2 = x.reshape(-1, x.shape[-1])
-    h = x2 @ adapter.A.to(x.dtype).t()
-    c = h @ (adapter.B * adapter.scale).to(x.dtype).t()
+    x2 = x.reshape(-1, x.shape[-1]).to(compute)
+    h = x2 @ adapter.A.to(compute).t()
+    c = h @ (adapter.B * adapter.scale).to(compute).t()
     if self.bias is not None:
         c = c + self.bias
     return torch.addmm(c, x2, w.t()).view(*x.shape[:-1], w.shape[0])
@@ -111,7 +112,7 @@ def _class_with_lora(cls: type) -> type:
     one code object for every layer, so a compiled block traces it once)."""
     if cls not in _classes:
         _classes[cls] = type(f"{cls.__name__}WithLora", (cls,),
-                             {"forward": _forward_with_lora, "_ugpum_plain_class": cls, "_ugpum_lora_in_matmul": True})
+                             {"forward": _forward_with_lora, "_ugpum_plain_class": cls})
     return _classes[cls]
 
 
