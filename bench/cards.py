@@ -261,7 +261,6 @@ EXPERIMENTS = {
     "gemm-autotune": ("torch._inductor.config", "max_autotune_gemm", True),
     "plain-ops": ("ugpum.compute.kernels", "ON_BY_DEFAULT", ()),         # PyTorch's ops, no kernel of ours
     **{name: ("ugpum.compute.kernels", "ON_BY_DEFAULT", (name,)) for name in kernels.KERNELS},   # that one alone
-    "lora-hook": ("ugpum.compute.lora", "IN_BASE_MATMUL", False),      # the LoRA after the base matmul, not in it
 }
 
 

@@ -1,25 +1,18 @@
-"""LoRA adapters on a model's Linear layers, added as forward hooks (the base module is untouched), or, for
-training, inside the base matmul itself.
+"""LoRA adapters on a model's Linear layers, added as forward hooks (the base module is untouched).
 
 Each adapter lives on its layer's device, keeps fp32 master weights, and adds
 `(alpha / rank) * B(A(x))` to the layer's output. B starts at zero, so a fresh LoRA changes nothing.
 
-In training, a layer whose base is a plain matmul (bf16 ComfyUI ops; `LoraSet.add_in_base_matmuls`) takes the
-LoRA as the matmul's addend: `c = h @ (s B)^T` with h = x @ A^T, then `addmm(c, x, W^T)`. The up-projection's
-[tokens, out_features] product is written once and read by the big GEMM's epilogue, which its arithmetic
-hides; the backward passes the output's gradient to c as it is (the scale is on B, [out_features, rank]). The
-hook's form below costs a pass of its own over the output forward and one backward: 29 ms of a klein 9B step
-on an H100 (bench/results/README.md).
-
-The hook's form (8-bit bases, patched or cast weights, previews): per call, two kernels beyond the base matmul.
-`h = x @ A^T` reads the activation once (the [tokens, rank] result is tiny), then ONE `addmm(out, h, B^T,
-alpha=scale)` does the second matmul, the scale and the residual add in the GEMM's epilogue. Autograd needs
-nothing cached: addmm's backward is two small GEMMs (grad_h = scale * grad @ B, grad_B = scale * grad^T @ h)
-and the A matmul's backward the usual two; the masters stay fp32 parameters (under autocast the casts to bf16
-are autograd ops, so their gradients land in fp32). Inside a block compiled by `ugpum.compute.compile`, the hook
-is traced into the block's graph (Dynamo inlines module hooks of inbuilt nn.Modules) and the up-projection is a
-plain matmul instead (or the Triton op of `ugpum.compute.kernels.lora_up` on CUDA): inductor adds it into the
-kernel that next reads the layer's output, which the GPU measured cheaper than the addmm.
+The lean path (issue 16): per call, two kernels beyond the base matmul and no extra pass over the
+activation or the output. `h = x @ A^T` reads the activation once (the [tokens, rank] result is tiny),
+then ONE `addmm(out, h, B^T, alpha=scale)` does the second matmul, the scale and the residual add in the
+GEMM's epilogue (before: matmul, matmul, mul, add, and two casts: every one a pass over
+[tokens, out_features]). Autograd needs nothing cached: addmm's backward is two small GEMMs (grad_h =
+scale * grad @ B, grad_B = scale * grad^T @ h) and the A matmul's backward the usual two; the masters
+stay fp32 parameters (under autocast the casts to bf16 are autograd ops, so their gradients land in
+fp32). Inside a block compiled by `ugpum.compute.compile`, the hook is traced into the block's graph (Dynamo
+inlines module hooks of inbuilt nn.Modules) and the up-projection is a plain matmul instead: inductor adds it
+into the kernel that next reads the layer's output, which the GPU measured cheaper than the addmm.
 """
 from __future__ import annotations
 
@@ -31,9 +24,6 @@ from torch import nn
 # On CUDA, the up-projection added in one Triton pass by this op (`ugpum.compute.kernels.lora_up`, set by
 # `kernels.turn_on`, which a CUDA run calls); None: the two-op forms below.
 FUSED_UP_PROJECTION = None
-# Whether a plain base matmul takes its LoRA as its addend (`LoraSet.add_in_base_matmuls`; bench/cards.py
-# --experiment lora-hook measures the hook's form beside it).
-IN_BASE_MATMUL = True
 
 
 class LoraAdapter(nn.Module):
@@ -82,48 +72,8 @@ class _Hook:
     def __init__(self, adapter: LoraAdapter):
         self.adapter = adapter
 
-    def __call__(self, module, args, out):
-        if type(module).forward is _forward_with_lora:     # the forward added it (not an 8-bit subclass of that)
-            return out
+    def __call__(self, _module, args, out):
         return self.adapter.add_to(args[0], out)
-
-
-def _forward_with_lora(self, x: torch.Tensor) -> torch.Tensor:
-    """A plain Linear's forward with its LoRA as the base matmul's addend: `addmm(c, x, W^T)`, c = b + h @ (s B)^T.
-    The up-projection's [tokens, out] product is written once and read by the GEMM's epilogue, which the big
-    matmul's arithmetic hides; no pass of its own over the output, forward or backward (the scale is on B)."""
-    adapter, w, on = self._ugpum_lora, self.weight, x.device.type
-    compute = torch.get_autocast_dtype(on) if torch.is_autocast_enabled(on) else x.dtype    # what F.linear would use
-    if compute != w.dtype or x.device != w.device:
-        return adapter.add_to(x, self._ugpum_plain_class.forward(self, x))
-    x2 = x.reshape(-1, x.shape[-1]).to(compute)
-    h = x2 @ adapter.A.to(compute).t()
-    c = h @ (adapter.B * adapter.scale).to(compute).t()
-    if self.bias is not None:
-        c = c + self.bias
-    return torch.addmm(c, x2, w.t()).view(*x.shape[:-1], w.shape[0])
-
-
-_classes: dict[type, type] = {}
-
-
-def _class_with_lora(cls: type) -> type:
-    """A subclass of a Linear's class whose forward adds the LoRA in the matmul (swapped in, not set per layer:
-    one code object for every layer, so a compiled block traces it once)."""
-    if cls not in _classes:
-        _classes[cls] = type(f"{cls.__name__}WithLora", (cls,),
-                             {"forward": _forward_with_lora, "_ugpum_plain_class": cls})
-    return _classes[cls]
-
-
-def _plain_matmul(layer: nn.Module) -> bool:
-    """Whether a layer computes `F.linear` of its stored weight: a Linear with a plain 16- or 32-bit weight that
-    ComfyUI's ops neither cast nor patch (no weight or bias functions), not an 8-bit base (`base_compute`)."""
-    return (isinstance(layer, nn.Linear) and not hasattr(type(layer), "_ugpum_base_class")
-            and not hasattr(type(layer), "_ugpum_plain_class") and type(layer.weight) in (nn.Parameter, torch.Tensor)
-            and layer.weight.dtype in (torch.bfloat16, torch.float16, torch.float32)
-            and not getattr(layer, "comfy_cast_weights", False) and not getattr(layer, "weight_function", None)
-            and not getattr(layer, "bias_function", None))
 
 
 class LoraSet(nn.Module):
@@ -134,7 +84,6 @@ class LoraSet(nn.Module):
         self.adapters = nn.ModuleDict()
         self._paths: dict[str, str] = {}
         self._handles: list = []
-        self._in_matmul: list[tuple[nn.Module, type]] = []     # layers whose class adds the LoRA in the matmul
 
     @staticmethod
     def _key(path: str) -> str:
@@ -160,26 +109,10 @@ class LoraSet(nn.Module):
         for _, a in self.items():
             a.strength = strength
 
-    def add_in_base_matmuls(self, model: nn.Module) -> int:
-        """Where a target's base matmul is plain (bf16 ComfyUI ops, not 8-bit: call after `use_base_compute`),
-        its forward takes the LoRA as the matmul's addend (`_forward_with_lora`) and its hook stands aside.
-        Returns how many layers; `remove` puts their classes back."""
-        for key, adapter in self.adapters.items():
-            layer = model.get_submodule(self._paths[key])
-            if IN_BASE_MATMUL and _plain_matmul(layer):
-                layer.__dict__["_ugpum_lora"] = adapter        # (not a submodule: the model's state dict is unchanged)
-                self._in_matmul.append((layer, type(layer)))
-                layer.__class__ = _class_with_lora(type(layer))
-        return len(self._in_matmul)
-
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        for layer, cls in self._in_matmul:
-            layer.__class__ = cls
-            del layer.__dict__["_ugpum_lora"]
-        self._in_matmul.clear()
 
     def tensors(self) -> dict[str, dict[str, torch.Tensor]]:
         return {p: {"A": a.A.detach(), "B": a.B.detach(), "alpha": a.alpha} for p, a in self.items()}
