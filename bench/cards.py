@@ -260,6 +260,7 @@ EXPERIMENTS = {
                         lambda comfy_attention, *args, **kwargs: comfy_attention(*args, **kwargs)),
     "gemm-autotune": ("torch._inductor.config", "max_autotune_gemm", True),
     "plain-ops": ("ugpum.compute.kernels", "ON_BY_DEFAULT", ()),         # PyTorch's ops, no kernel of ours
+    "int8-lora-epilogue": ("ugpum.compute.modes.int8", "LORA_IN_KERNEL", True),   # the LoRA in the int8 GEMM
     **{name: ("ugpum.compute.kernels", "ON_BY_DEFAULT", (name,)) for name in kernels.KERNELS},   # that one alone
 }
 

@@ -19,7 +19,8 @@
 #   eight-bit   ours with the int8 and the fp8 base (recompute all) under inductor's GEMM autotuning
 #               (bench/cards.py --experiment gemm-autotune: the rescale in the matmul's epilogue)
 #   kernel-ab   ours, recompute all, as it runs and with an experiment: KERNEL_AB's MODE:EXPERIMENT pairs
-#               (bench/cards.py --experiment plain-ops | lora-kernel | int8-kernel: no kernel, or that kernel alone)
+#               (bench/cards.py --experiment plain-ops | lora-kernel | int8-kernel: no kernel, or that kernel alone;
+#               int8-lora-epilogue: the int8 kernel adds the LoRA's up-projection)
 #   trace       the peer, then ours in bf16 and fp8 (recompute all) with their kernel tables and timelines
 #   judge       the peer, then ours in each base-compute mode and recompute setting (issue 41's rows; the
 #               8-bit modes' kernel tables kept; JUDGE: which rows, MODE-RECOMPUTE[-CARD GiB])
@@ -133,7 +134,7 @@ for s in $sections; do
         --base-compute $m --recompute $rec ${card:+--card-gib $card} $x
     done ;;
   kernel-ab) model_file $k9 flux2-klein-9b  # ours without and with a kernel of ugpum.compute.kernels, mode by mode
-    for pair in ${KERNEL_AB:-fp8:plain-ops}; do
+    for pair in ${KERNEL_AB:-int8:int8-lora-epilogue fp8:plain-ops}; do
       m=${pair%%:*} x=${pair#*:}
       case_row ab-$m-all "$COMFYUI_PATH" $ours --base-compute $m --recompute all
       case_row ab-$m-all-$x "$COMFYUI_PATH" $ours --base-compute $m --recompute all --experiment $x

@@ -168,3 +168,48 @@ def test_a_scaled_fp8_weight_is_quantised_with_its_scale(tmp_path, comfy):
     use_base_compute(model, targets, "int8", log=lambda *_: None, emulate=True, keep="none")
     got = _forward(model, spec)
     assert float((got - reference).norm() / reference.norm()) < 0.05
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_the_int8_kernel_adds_the_lora_as_the_hook_did(monkeypatch, compiled):
+    """Handed to an int8 base whose kernel takes it (`takes_lora`), the LoRA's up-projection is added by the
+    matmul itself, to the hook's values and gradients (x's, A's, B's); the hook stands aside only there, and
+    undoing the base or removing the LoRA gives the hook back."""
+    from ugpum.compute import base_compute
+    from ugpum.compute.kernels.int8_matmul import int8_scaled_mm
+    from ugpum.compute.modes import int8
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.GELU(), torch.nn.Linear(48, 16))
+    lora = attach_lora(model, ["0", "2"], rank=4, alpha=2.0, seed=1)
+    for _, a in lora.items():
+        torch.nn.init.normal_(a.B, std=0.3)
+    x = torch.randn(2, 20, 32)
+
+    def run():
+        xi = x.clone().requires_grad_()
+        fn = torch.compile(model, backend="aot_eager") if compiled else model
+        y = fn(xi)
+        (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
+        grads = [xi.grad] + [t.grad.clone() for _, a in lora.items() for t in (a.A, a.B)]
+        for _, a in lora.items():
+            a.A.grad = a.B.grad = None
+        return [y.detach(), *grads]
+
+    undo = use_base_compute(model, ["0", "2"], "int8", log=lambda *_: None, emulate=True, keep="device")
+    assert lora.hand_to_kernels(model, base_compute.takes_lora) == 0          # the kernel off: the hook adds it
+    want = run()
+    monkeypatch.setattr(int8, "TRITON_KERNEL", int8_scaled_mm)
+    monkeypatch.setattr(int8, "LORA_IN_KERNEL", True)
+    assert lora.hand_to_kernels(model, base_compute.takes_lora) == 2
+    calls, real = [], base_compute._matmul
+    monkeypatch.setattr(base_compute, "_matmul", lambda *a: calls.append(a[7:]) or real(*a))
+    got = run()
+    assert sum(isinstance(c[0], tuple) for c in calls if c) == 2        # both matmuls took the LoRA (run or traced)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+    undo()                                                                    # the exact base: the hook adds it
+    exact = model(x)
+    lora.remove()
+    assert "ugpum_lora_in_kernel" not in vars(model[0])
+    assert not torch.allclose(model(x), exact)                                # (the LoRA was there before)
+

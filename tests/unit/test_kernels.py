@@ -78,29 +78,37 @@ def _int8_operands(m, n, k, device="cpu"):
     return a.to(device), sa.to(device), b.to(device), sb.reshape(-1).to(device)
 
 
-def test_the_int8_op_is_the_rescaled_integer_product():
+def test_the_int8_op_is_the_rescaled_integer_product_plus_the_lora_term():
     a, sa, b, sb = _int8_operands(40, 24, 64)
+    h, lb = torch.randn(40, 4, dtype=torch.float64), torch.randn(24, 4, dtype=torch.float64)
     want = (a.double() @ b.double().t()) * sa.double() * sb.double()
     torch.testing.assert_close(int8_scaled_mm(a, sa, b, sb, torch.float32).double(), want, rtol=1e-6, atol=1e-6)
-    compiled = torch.compile(lambda *x: int8_scaled_mm(*x, torch.float32), backend="aot_eager")
+    compiled = torch.compile(lambda *x: int8_scaled_mm(*x[:4], torch.float32, *x[4:]), backend="aot_eager")
     torch.testing.assert_close(compiled(a, sa, b, sb).double(), want, rtol=1e-6, atol=1e-6)
+    with_lora = compiled(a, sa, b, sb, h.float(), lb.float(), 0.25).double()
+    torch.testing.assert_close(with_lora, want + (h @ lb.t()) * 0.25, rtol=1e-5, atol=1e-5)
 
 
-def test_the_int8_kernel_computes_the_rescaled_integer_product():
+def test_the_int8_kernel_computes_the_rescaled_integer_product_and_the_lora_term():
     _in_the_interpreter("""
         import torch, triton
         from ugpum.compute.kernels import triton_kernels as k
         from tests.unit.test_kernels import _int8_operands
+        g = torch.Generator().manual_seed(3)
         for dtype in (torch.float32, torch.float16):
-            for m, n, kk in ((300, 260, 160), (17, 129, 64), (130, 64, 300)):     # edges of tiles and of K
+            for (m, n, kk), r in (((300, 260, 160), 0), ((17, 129, 64), 8), ((130, 64, 300), 40)):  # tile, K, rank edges
                 a, sa, b, sb = _int8_operands(m, n, kk)
+                h, lb = torch.randn(m, max(r, 1), generator=g).to(dtype), torch.randn(n, max(r, 1), generator=g).to(dtype)
                 c = torch.empty(m, n, dtype=dtype)
                 for bm, bn in ((64, 128), (128, 64)):          # (the autotuner needs a GPU: tiles set here)
                     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
-                    k.int8_scaled_mm.fn[grid](a, b, sa.reshape(-1), sb, c, m, n, kk, BM=bm, BN=bn, BK=128)
+                    k.int8_scaled_mm.fn[grid](a, b, sa.reshape(-1), sb, c, h, lb, m, n, kk, r, 0.5, BM=bm, BN=bn,
+                                              BK=128, LORA=r > 0, BR=k.TILE_R)
                     want = (a.double() @ b.double().t()) * sa.double() * sb.double()
+                    if r:
+                        want = want + (h.double() @ lb.double().t()) * 0.5
                     err = ((c.double() - want).abs() / want.abs().clamp_min(1)).max().item()
-                    assert err <= (1e-6 if dtype == torch.float32 else 2e-3), (dtype, m, n, kk, bm, err)
+                    assert err <= (1e-5 if dtype == torch.float32 else 2e-3), (dtype, m, n, kk, r, bm, err)
         print("kernel ok")
     """)
 
@@ -124,6 +132,10 @@ def test_on_cuda_the_int8_kernel_matches_int_mm_in_bf16(m, n, k):
     a, sa, b, sb = _int8_operands(m, n, k, "cuda")
     got = int8_scaled_mm(a, sa, b, sb, torch.bfloat16).float()
     want = (a.double() @ b.double().t()).float() * sa * sb       # (_int_mm needs multiples of 8)
+    assert (got - want).norm() <= 4e-3 * want.norm()
+    h, lb = (torch.randn(rows, 16, device="cuda", dtype=torch.bfloat16) for rows in (m, n))
+    got = int8_scaled_mm(a, sa, b, sb, torch.bfloat16, h, lb, 0.5).float()
+    want = want + (h.float() @ lb.float().t()) * 0.5
     assert (got - want).norm() <= 4e-3 * want.norm()
 
 

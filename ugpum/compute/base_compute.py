@@ -27,7 +27,7 @@ from ..wording import EngineError
 from .modes import EXACT, ComputeMode, fastest_mode_for, mode_named
 
 __all__ = ["use_base_compute", "QuantiseAsLoaded", "quantise_weight", "quantised_linear", "supports",
-           "check_devices", "BaseComputeError"]
+           "check_devices", "BaseComputeError", "takes_lora"]
 
 
 class BaseComputeError(RuntimeError, EngineError):
@@ -65,61 +65,80 @@ def quantise_weight(w: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Ten
 
 
 def _matmul(a: torch.Tensor, sa: torch.Tensor, b_t: torch.Tensor, sb: torch.Tensor | None, mode: ComputeMode,
-            out_dtype: torch.dtype, emulate: bool) -> torch.Tensor:
-    """(a * sa) @ (b_t^T * sb) on the mode's kernel, or in fp32 (`emulate`)."""
+            out_dtype: torch.dtype, emulate: bool, lora: tuple | None = None) -> torch.Tensor:
+    """(a * sa) @ (b_t^T * sb) (+ a LoRA's scale * h @ B^T) on the mode's kernel, or in fp32 (`emulate`)."""
     if emulate:
         y = (a.float() @ b_t.float().t()) * sa
-        return (y if sb is None else y * sb).to(out_dtype)
-    return mode.matmul(a, sa, b_t, sb, out_dtype)
+        y = y if sb is None else y * sb
+        if lora is not None:
+            h, b, scale = lora
+            y = y + (h.float() @ b.float().t()) * scale
+        return y.to(out_dtype)
+    return mode.matmul(a, sa, b_t, sb, out_dtype, lora) if lora is not None else mode.matmul(a, sa, b_t, sb, out_dtype)
 
 
 class _QuantisedBase(torch.autograd.Function):
-    """y = x @ W^T (+ b) with W frozen and quantised; backward returns grad_x only."""
+    """y = x @ W^T (+ b) with W frozen and quantised (+ scale * h @ B^T, a LoRA's up-projection in the mode's
+    kernel: `takes_lora`); backward returns grad_x (and the LoRA's grad_h, grad_B), never W's."""
 
     @staticmethod
-    def forward(ctx, x2, wq, sw, bias, mode, emulate, out_dtype):
+    def forward(ctx, x2, wq, sw, bias, mode, emulate, out_dtype, h=None, b=None, scale=0.0):
         chosen = mode_named(mode)
         xq, sx = chosen.quantise_rows(x2)
-        y = _matmul(xq, sx, wq, sw, chosen, out_dtype, emulate)
+        y = _matmul(xq, sx, wq, sw, chosen, out_dtype, emulate, None if h is None else (h, b, scale))
         if bias is not None:
             y = y + bias.to(out_dtype)
-        ctx.save_for_backward(wq, sw)
-        ctx.mode, ctx.emulate, ctx.x_dtype = mode, emulate, x2.dtype
+        ctx.save_for_backward(wq, sw, h, b)
+        ctx.mode, ctx.emulate, ctx.x_dtype, ctx.scale = mode, emulate, x2.dtype, scale
         return y
 
     @staticmethod
     def backward(ctx, gy):
-        wq, sw = ctx.saved_tensors
-        if not ctx.needs_input_grad[0]:
-            return (None,) * 7
-        chosen = mode_named(ctx.mode)
-        g = gy.float() * sw                                 # the channel scale moves onto grad_y's columns
-        gq, sg = chosen.quantise_rows(g)
-        w_t = wq.t() if ctx.emulate else wq.t().contiguous()     # [in, out]: rows = grad_x's columns
-        gx = _matmul(gq, sg, w_t, None, chosen, ctx.x_dtype, ctx.emulate)
-        return gx, None, None, None, None, None, None
+        wq, sw, h, b = ctx.saved_tensors
+        gx = gh = gb = None
+        if ctx.needs_input_grad[0]:
+            chosen = mode_named(ctx.mode)
+            g = gy.float() * sw                                 # the channel scale moves onto grad_y's columns
+            gq, sg = chosen.quantise_rows(g)
+            w_t = wq.t() if ctx.emulate else wq.t().contiguous()     # [in, out]: rows = grad_x's columns
+            gx = _matmul(gq, sg, w_t, None, chosen, ctx.x_dtype, ctx.emulate)
+        if h is not None:                                    # the up-projection's two small matmuls, scaled after
+            g = gy.to(h.dtype)
+            gh = (g @ b) * ctx.scale if ctx.needs_input_grad[7] else None
+            gb = (g.t() @ h) * ctx.scale if ctx.needs_input_grad[8] else None
+        return gx, None, None, None, None, None, None, gh, gb, None
 
 
 def quantised_linear(x: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, bias: torch.Tensor | None, mode: str,
-                     emulate: bool = False) -> torch.Tensor:
-    """The quantised base Linear: x [..., in] -> [..., out] in the compute dtype (autocast's, else x's)."""
+                     emulate: bool = False, lora=None) -> torch.Tensor:
+    """The quantised base Linear: x [..., in] -> [..., out] in the compute dtype (autocast's, else x's). `lora`:
+    a LoRA adapter (`ugpum.compute.lora.LoraAdapter`) whose up-projection the mode's kernel adds."""
     dev = x.device.type
     compute = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
     x2 = x.reshape(-1, x.shape[-1])
     if not emulate:
         x2 = x2.to(torch.bfloat16)
-        rows = mode_named(mode).min_rows
-        if x2.shape[0] < rows:                               # a kernel that takes no fewer rows: padded
-            pad = torch.zeros(rows - x2.shape[0], x2.shape[1], device=x2.device, dtype=x2.dtype)
-            y = _QuantisedBase.apply(torch.cat([x2, pad]), wq, sw, bias, mode, emulate, compute)[: x2.shape[0]]
-            return y.reshape(*x.shape[:-1], y.shape[-1])
     with torch.autocast(dev, enabled=False):
-        y = _QuantisedBase.apply(x2, wq, sw, bias, mode, emulate, compute)
+        up = () if lora is None else (x2 @ lora.A.to(x2.dtype).t(), lora.B.to(x2.dtype), lora.scale)
+        rows = 0 if emulate else mode_named(mode).min_rows
+        if x2.shape[0] < rows:                               # a kernel that takes no fewer rows: padded
+            padded = [torch.cat([t, t.new_zeros(rows - t.shape[0], t.shape[1])]) for t in (x2, *up[:1])]
+            y = _QuantisedBase.apply(padded[0], wq, sw, bias, mode, emulate, compute, *padded[1:], *up[1:])
+            y = y[: x2.shape[0]]
+        else:
+            y = _QuantisedBase.apply(x2, wq, sw, bias, mode, emulate, compute, *up)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
+def takes_lora(layer: nn.Module) -> bool:
+    """Whether a layer is an 8-bit base whose kernel adds a LoRA's up-projection itself (`ComputeMode.takes_lora`;
+    `ugpum.compute.lora.LoraSet.hand_to_kernels`)."""
+    return hasattr(type(layer), "_ugpum_base_class") and mode_named(layer.ugpum_mode).takes_lora()
+
+
 def _forward_quantised(self, x: torch.Tensor) -> torch.Tensor:
-    return quantised_linear(x, self.ugpum_wq, self.ugpum_sw, self.bias, self.ugpum_mode, self.ugpum_emulate)
+    lora = getattr(self, "ugpum_lora_in_kernel", None)      # (set by LoraSet.hand_to_kernels where takes_lora)
+    return quantised_linear(x, self.ugpum_wq, self.ugpum_sw, self.bias, self.ugpum_mode, self.ugpum_emulate, lora)
 
 
 _classes: dict[type, type] = {}

@@ -72,7 +72,9 @@ class _Hook:
     def __init__(self, adapter: LoraAdapter):
         self.adapter = adapter
 
-    def __call__(self, _module, args, out):
+    def __call__(self, module, args, out):
+        if getattr(module, "ugpum_lora_in_kernel", None) is self.adapter and hasattr(type(module), "_ugpum_base_class"):
+            return out                          # the 8-bit base's kernel added it (`LoraSet.hand_to_kernels`)
         return self.adapter.add_to(args[0], out)
 
 
@@ -84,6 +86,7 @@ class LoraSet(nn.Module):
         self.adapters = nn.ModuleDict()
         self._paths: dict[str, str] = {}
         self._handles: list = []
+        self._in_kernels: list[nn.Module] = []
 
     @staticmethod
     def _key(path: str) -> str:
@@ -109,10 +112,24 @@ class LoraSet(nn.Module):
         for _, a in self.items():
             a.strength = strength
 
+    def hand_to_kernels(self, model: nn.Module, takes) -> int:
+        """Give each adapter to its layer where `takes(layer)` (`ugpum.compute.base_compute.takes_lora`: an 8-bit
+        base whose kernel adds the up-projection in its epilogue, reading no [tokens, out] term); its hook stands
+        aside there. Returns how many; `remove` takes them back."""
+        for key, adapter in self.adapters.items():
+            layer = model.get_submodule(self._paths[key])
+            if takes(layer):
+                layer.__dict__["ugpum_lora_in_kernel"] = adapter     # (not a submodule: the state dict is unchanged)
+                self._in_kernels.append(layer)
+        return len(self._in_kernels)
+
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        for layer in self._in_kernels:
+            del layer.__dict__["ugpum_lora_in_kernel"]
+        self._in_kernels.clear()
 
     def tensors(self) -> dict[str, dict[str, torch.Tensor]]:
         return {p: {"A": a.A.detach(), "B": a.B.detach(), "alpha": a.alpha} for p, a in self.items()}

@@ -180,7 +180,7 @@ class TorchrunRankStepper:
         model.to(top.device)
         self.lora = stage_lora(model, cfg, spec, mine)
         # (each rank wraps its own blocks that the plan recomputes)
-        self.undo = make_trainable(cfg, plan, spec, model, own_paths, quantise, log)
+        self.undo = make_trainable(cfg, plan, spec, model, own_paths, quantise, self.lora, log)
         self.model = model
         self.params = [p for _, p in lora_params(self.lora)]
         self.stages = [stage_module(model, spec, r, cfg.autocast, cfg.weight_dtype)

@@ -9,7 +9,7 @@ from typing import Callable
 import torch
 
 from ..arch import ArchSpec, get_spec
-from ..compute.base_compute import QuantiseAsLoaded, check_devices, use_base_compute
+from ..compute.base_compute import QuantiseAsLoaded, check_devices, takes_lora, use_base_compute
 from ..compute.modes import mode_named
 from ..compute.recompute import recompute_blocks
 from ..compute import kernels
@@ -25,7 +25,7 @@ from ..placement.schedules import DISTRIBUTED_ONLY
 from .config import TrainConfig
 from .errors import TrainingError
 from ..wording import setting
-from ..compute.lora import attach_lora, lora_targets
+from ..compute.lora import LoraSet, attach_lora, lora_targets
 
 
 def plan_for(cfg: TrainConfig, spec: ArchSpec | None = None) -> Plan:
@@ -66,18 +66,22 @@ def recomputed_paths(plan: Plan, spec, block_paths: list[str]) -> list[str]:
 
 
 def make_trainable(cfg: TrainConfig, plan: Plan, spec, model, block_paths: list[str],
-                   quantised: QuantiseAsLoaded | None, log=print) -> Callable[[], None]:
-    """After the LoRA is attached to `block_paths`: the base in the plan's base compute (unless quantised
-    as it loaded), residuals safe to differentiate, the blocks compiled (`compile`), then the ones the plan
-    recomputes wrapped to recompute in backward (around the compiled forward). Returns undo()."""
+                   quantised: QuantiseAsLoaded | None, lora: LoraSet, log=print) -> Callable[[], None]:
+    """After `lora` is attached to `block_paths`: the measured kernels on (CUDA), the base in the plan's base
+    compute (unless quantised as it loaded) with the LoRA in its kernel where that kernel takes it, residuals safe
+    to differentiate, the blocks compiled (`compile`), then the ones the plan recomputes wrapped to recompute in
+    backward (around the compiled forward). Returns undo() (the LoRA's `remove` takes back what it handed)."""
+    turned_on = kernels.turn_on_measured(s.torch_device for c in plan.copies for s in c.stages if s.torch_device)
+    if turned_on:
+        log(f"kernels: {', '.join(turned_on)} (Triton)")
     if quantised is not None:
         log(quantised.summary())
         undo_8bit = lambda: None                 # noqa: E731 - nothing to put back: the model is dropped after
     else:
         undo_8bit = use_base_compute(model, base_linear_paths(spec, block_paths), plan.base_compute, log, keep="cpu")
-    turned_on = kernels.turn_on_measured(s.torch_device for c in plan.copies for s in c.stages if s.torch_device)
-    if turned_on:
-        log(f"kernels: {', '.join(turned_on)} (Triton)")
+    in_kernels = lora.hand_to_kernels(model, takes_lora)
+    if in_kernels:
+        log(f"LoRA: the up-projection added by the {plan.base_compute} kernel in {in_kernels} layers")
     recomputed = recomputed_paths(plan, spec, block_paths)
     guards = guard_inplace_residuals(model, include_rms=False)
     undo_compile = compile_blocks(model, block_paths, cfg.compile, log)
@@ -135,7 +139,7 @@ def make_placed_trainable(cfg: TrainConfig, spec, placed: Placed, log=print, dro
     lora = attach_lora(model, lora_targets(block_paths, [b.linears for b in spec.blocks], tuple(cfg.targets)),
                        cfg.rank, cfg.alpha, seed=cfg.seed)
     log(recompute_line(plan))                            # the forecast's line; make_trainable says what it did
-    undo_trainable = make_trainable(cfg, plan, spec, model, block_paths, placed.quantise, log)
+    undo_trainable = make_trainable(cfg, plan, spec, model, block_paths, placed.quantise, lora, log)
 
     def release():
         undo_trainable()

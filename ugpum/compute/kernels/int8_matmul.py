@@ -6,6 +6,8 @@ of 2026-12-07). A Triton GEMM runs Hopper's int8 instructions and rescales in it
 without Triton, the op is the PyTorch form."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch.library import triton_op, wrap_triton
 
@@ -13,18 +15,25 @@ from . import cdiv, runs_kernel
 
 
 @triton_op("ugpum::int8_scaled_mm", mutates_args=())
-def int8_scaled_mm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor,
-                   out_dtype: torch.dtype) -> torch.Tensor:
-    """(a [M, K] @ b [N, K]^T) * sa [M, 1] * sb [N] as out_dtype; a and b int8, the scales fp32."""
+def int8_scaled_mm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, out_dtype: torch.dtype,
+                   h: Optional[torch.Tensor] = None, lb: Optional[torch.Tensor] = None,
+                   scale: float = 0.0) -> torch.Tensor:
+    """(a [M, K] @ b [N, K]^T) * sa [M, 1] * sb [N] as out_dtype; a and b int8, the scales fp32. With h [M, r]
+    and lb [N, r] (a LoRA's down-projected input and its B, one float dtype): + scale * h @ lb^T, in the same
+    kernel's epilogue."""
     if not runs_kernel(a):
-        return (torch._int_mm(a, b.t()).float() * sa * sb).to(out_dtype)
+        y = torch._int_mm(a, b.t()).float() * sa * sb
+        return (y if h is None else y + (h.float() @ lb.float().t()) * scale).to(out_dtype)
     from . import triton_kernels as k
     a, b = a.contiguous(), b.contiguous()
     sa, sb = sa.float().reshape(-1).contiguous(), sb.float().reshape(-1).contiguous()
     (m, width), n = a.shape, b.shape[0]
     c = torch.empty(m, n, device=a.device, dtype=out_dtype)
+    lora = h is not None
+    h, lb = (h.contiguous(), lb.contiguous()) if lora else (a, b)          # (unread without a LoRA)
 
     def grid(meta):
         return (cdiv(m, meta["BM"]) * cdiv(n, meta["BN"]),)
-    wrap_triton(k.int8_scaled_mm)[grid](a, b, sa, sb, c, m, n, width)
+    wrap_triton(k.int8_scaled_mm)[grid](a, b, sa, sb, c, h, lb, m, n, width, h.shape[1] if lora else 0, scale,
+                                        LORA=lora, BR=k.TILE_R)
     return c

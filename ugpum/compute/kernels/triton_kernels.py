@@ -30,10 +30,11 @@ def add_up_projection(out_ptr, h_ptr, b_ptr, y_ptr, M, N, R, scale,
                           triton.Config({"BM": 64, "BN": 128, "BK": 128}, num_warps=4, num_stages=4)],
                  key=["M", "N", "K"])
 @triton.jit
-def int8_scaled_mm(a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, M, N, K,
-                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+def int8_scaled_mm(a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, h_ptr, lb_ptr, M, N, K, R, scale,
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, LORA: tl.constexpr, BR: tl.constexpr):
     # the int8 base's matmul and rescale: c = (a @ b^T) * sa[:, None] * sb[None, :]; a [M, K], b [N, K],
-    # c [M, N]: row-major and contiguous.
+    # c [M, N]: row-major and contiguous. LORA: + scale * h @ lb^T, a LoRA's up-projection (h [M, R], lb [N, R]),
+    # computed from h and lb in the epilogue: no [M, N] term is read.
     # Programs go down a column of tiles first: the ones running together share b's tiles in L2.
     pid, rows = tl.program_id(0), tl.cdiv(M, BM)
     rm = (pid % rows) * BM + tl.arange(0, BM)
@@ -47,5 +48,13 @@ def int8_scaled_mm(a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, M, N, K,
     sa = tl.load(sa_ptr + rm, mask=rm < M, other=0.0)
     sb = tl.load(sb_ptr + rn, mask=rn < N, other=0.0)
     c = acc.to(tl.float32) * sa[:, None] * sb[None, :]
+    if LORA:
+        up = tl.zeros((BM, BN), dtype=tl.float32)
+        for r0 in range(0, R, BR):
+            rr = r0 + tl.arange(0, BR)
+            h = tl.load(h_ptr + rm[:, None] * R + rr[None, :], mask=(rm[:, None] < M) & (rr[None, :] < R), other=0.0)
+            lb = tl.load(lb_ptr + rn[None, :] * R + rr[:, None], mask=(rn[None, :] < N) & (rr[:, None] < R), other=0.0)
+            up += tl.dot(h, lb)
+        c += up * scale
     tl.store(c_ptr + rm[:, None] * N + rn[None, :], c.to(c_ptr.dtype.element_ty),
              mask=(rm[:, None] < M) & (rn[None, :] < N))

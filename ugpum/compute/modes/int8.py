@@ -9,6 +9,9 @@ from .mode import ComputeMode
 # On CUDA, the matmul and its rescale in one Triton kernel on Hopper's int8 instructions: this op
 # (`ugpum.compute.kernels.int8_matmul`, set by `kernels.turn_on`, which a CUDA run calls); None: _int_mm.
 TRITON_KERNEL = None
+# Whether that kernel also adds each layer's LoRA up-projection in its epilogue (`takes_lora`); off until a GPU
+# run measures it (bench/cards.py --experiment int8-lora-epilogue).
+LORA_IN_KERNEL = False
 
 
 class Int8(ComputeMode):
@@ -30,10 +33,13 @@ class Int8(ComputeMode):
     def to_grid(self, t):
         return t.round().clamp(-self.qmax, self.qmax).to(torch.int8)
 
-    def matmul(self, a, sa, b_t, sb, out_dtype):
-        if TRITON_KERNEL is not None and a.is_cuda:
+    def takes_lora(self):
+        return LORA_IN_KERNEL and TRITON_KERNEL is not None
+
+    def matmul(self, a, sa, b_t, sb, out_dtype, lora=None):
+        if TRITON_KERNEL is not None and (a.is_cuda or lora is not None):   # (elsewhere the op's PyTorch form)
             sb = sb if sb is not None else torch.ones(b_t.shape[0], device=a.device)
-            return TRITON_KERNEL(a, sa, b_t, sb, out_dtype)
+            return TRITON_KERNEL(a, sa, b_t, sb, out_dtype, *(lora or ()))
         y = torch._int_mm(a, b_t.t()).float() * sa
         return (y if sb is None else y * sb).to(out_dtype)
 

@@ -58,7 +58,12 @@ class ComputeMode:
         return self.to_grid(t.float() / scale), scale
 
     def matmul(self, a: torch.Tensor, sa: torch.Tensor, b_t: torch.Tensor, sb: torch.Tensor | None,
-               out_dtype: torch.dtype) -> torch.Tensor:
+               out_dtype: torch.dtype, lora: tuple | None = None) -> torch.Tensor:
         """(a * sa) @ (b_t^T * sb) on its kernel: a [M, K] quantised per row with sa [M, 1]; b_t [N, K]
-        quantised with sb [N] (None for 1). Result [M, N] in out_dtype."""
+        quantised with sb [N] (None for 1). Result [M, N] in out_dtype. `lora` (h [M, r], B [N, r], scale), only
+        where `takes_lora`: + scale * h @ B^T, added by the same kernel."""
         raise NotImplementedError(f"{self.name} quantises nothing")
+
+    def takes_lora(self) -> bool:
+        """Whether `matmul` adds a LoRA's up-projection in its own kernel (then the LoRA's hook stands aside)."""
+        return False
