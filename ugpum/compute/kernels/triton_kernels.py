@@ -7,18 +7,25 @@ TILE_M, TILE_N, TILE_R = 128, 128, 16          # add_up_projection's tiles (the 
 
 
 @triton.jit
-def add_up_projection(out_ptr, h_ptr, b_ptr, y_ptr, M, N, R, scale,
-                      BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr):
-    # the LoRA's up-projection added: y = out + scale * h @ b^T, all four row-major and contiguous:
-    # out, y [M, N]; h [M, R]; b [N, R]
-    rm = tl.program_id(0) * BM + tl.arange(0, BM)
-    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+def up_projection(h_ptr, b_ptr, rm, rn, M, N, R, BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr):
+    # a LoRA's up-projection on one tile of the output, fp32: h[rm] @ b[rn]^T; h [M, R], b [N, R] row-major
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for r0 in range(0, R, BR):
         rr = r0 + tl.arange(0, BR)
         h = tl.load(h_ptr + rm[:, None] * R + rr[None, :], mask=(rm[:, None] < M) & (rr[None, :] < R), other=0.0)
         b = tl.load(b_ptr + rn[None, :] * R + rr[:, None], mask=(rn[None, :] < N) & (rr[:, None] < R), other=0.0)
         acc += tl.dot(h, b)
+    return acc
+
+
+@triton.jit
+def add_up_projection(out_ptr, h_ptr, b_ptr, y_ptr, M, N, R, scale,
+                      BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr):
+    # the LoRA's up-projection added: y = out + scale * h @ b^T, all four row-major and contiguous:
+    # out, y [M, N]; h [M, R]; b [N, R]
+    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    acc = up_projection(h_ptr, b_ptr, rm, rn, M, N, R, BM, BN, BR)
     at, inside = rm[:, None] * N + rn[None, :], (rm[:, None] < M) & (rn[None, :] < N)
     y = tl.load(out_ptr + at, mask=inside, other=0.0).to(tl.float32) + acc * scale
     tl.store(y_ptr + at, y.to(y_ptr.dtype.element_ty), mask=inside)
@@ -49,12 +56,6 @@ def int8_scaled_mm(a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, h_ptr, lb_ptr, M, N, K, 
     sb = tl.load(sb_ptr + rn, mask=rn < N, other=0.0)
     c = acc.to(tl.float32) * sa[:, None] * sb[None, :]
     if LORA:
-        up = tl.zeros((BM, BN), dtype=tl.float32)
-        for r0 in range(0, R, BR):
-            rr = r0 + tl.arange(0, BR)
-            h = tl.load(h_ptr + rm[:, None] * R + rr[None, :], mask=(rm[:, None] < M) & (rr[None, :] < R), other=0.0)
-            lb = tl.load(lb_ptr + rn[None, :] * R + rr[:, None], mask=(rn[None, :] < N) & (rr[:, None] < R), other=0.0)
-            up += tl.dot(h, lb)
-        c += up * scale
+        c += up_projection(h_ptr, lb_ptr, rm, rn, M, N, R, BM, BN, BR) * scale
     tl.store(c_ptr + rm[:, None] * N + rn[None, :], c.to(c_ptr.dtype.element_ty),
              mask=(rm[:, None] < M) & (rn[None, :] < N))
