@@ -22,8 +22,9 @@ def add_up_projection(out: torch.Tensor, h: torch.Tensor, b: torch.Tensor, scale
     out, h, b = out.contiguous(), h.contiguous(), b.contiguous()
     y = torch.empty_like(out)
     (m, n), r = out.shape, h.shape[1]
-    grid = (cdiv(m, k.TILE_M), cdiv(n, k.TILE_N))
-    wrap_triton(k.add_up_projection)[grid](out, h, b, y, m, n, r, scale, BM=k.TILE_M, BN=k.TILE_N, BR=k.TILE_R)
+    def grid(meta):
+        return (cdiv(m, meta["BM"]), cdiv(n, meta["BN"]))
+    wrap_triton(k.add_up_projection)[grid](out, h, b, y, m, n, r, scale, BR=k.TILE_R)
     return y
 
 
