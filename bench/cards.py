@@ -316,10 +316,10 @@ def main(argv=None) -> int:
                cli=" ".join(["python -m ugpum", *argv_train]),
                gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
                torch=torch.__version__, **comfyui_used())
-    for rows, kept in ((a.rows, row), (a.speed_rows, a.speed_rows and speed_row(a, row, (plans or [None])[-1]))):
-        if rows:
-            append_line(rows, json.dumps(kept))
-            print(json.dumps(kept))
+    kept = [(a.rows, row)] + ([(a.speed_rows, speed_row(a, row, (plans or [None])[-1]))] if a.speed_rows else [])
+    for rows, line in kept:
+        append_line(rows, json.dumps(line))
+        print(json.dumps(line))
     return rc
 
 

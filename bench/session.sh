@@ -23,7 +23,7 @@
 #               int8-lora-epilogue: the int8 kernel adds the LoRA's up-projection)
 #   trace       the peer, then ours in bf16 and fp8 (recompute all) with their kernel tables and timelines
 #   judge       the peer, then ours in each base-compute mode and recompute setting (issue 41's rows; the
-#               8-bit modes' kernel tables kept; JUDGE: which rows, MODE-RECOMPUTE[-CARD GiB])
+#               recompute-all rows' kernel tables kept; JUDGE: which rows, MODE-RECOMPUTE[-CARD GiB][@EXPERIMENT])
 #   wan-judge   Wan 2.1 14B at 640² x 17 frames: a diffusers + PEFT peer (bench/peer_wan.py), then ours
 #   cards       klein 9B, base compute auto + recompute auto, as the cards people own (CARDS: sizes in GiB,
 #               `whole`, or CARD:VARIANT neighbours of the planner's pick: kept+2 swapped-2 ...)
