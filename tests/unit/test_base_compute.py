@@ -212,4 +212,3 @@ def test_the_int8_kernel_adds_the_lora_as_the_hook_did(monkeypatch, compiled):
     lora.remove()
     assert "ugpum_lora_in_kernel" not in vars(model[0])
     assert not torch.allclose(model(x), exact)                                # (the LoRA was there before)
-
