@@ -35,7 +35,7 @@ def pytorch_attention(comfy, monkeypatch):
     torch._dynamo.reset()
 
 
-def _setup(family: str, compiled: bool, checkpointing: bool = True, dtype=torch.float32):
+def _setup(family: str, compiled: bool, checkpointing: bool = True, dtype=torch.float32, keep_attention=False):
     if family == "flux2":
         model = cm.build_tiny_flux2(dtype, depth=2, depth_single=2, exact_rope=dtype == torch.float64)
         paths = ["double_blocks.0", "double_blocks.1", "single_blocks.0", "single_blocks.1"]
@@ -52,7 +52,7 @@ def _setup(family: str, compiled: bool, checkpointing: bool = True, dtype=torch.
     guard_inplace_residuals(model, include_rms=False)
     logged = []
     undo_compile = compile_blocks(model, paths, "on" if compiled else "off", logged.append)
-    undo_ckpt = recompute_blocks(model, paths) if checkpointing else (lambda: None)
+    undo_ckpt = recompute_blocks(model, paths, keep_attention=keep_attention) if checkpointing else (lambda: None)
     return model, lora, logged, lambda: (undo_ckpt(), undo_compile())
 
 
@@ -147,6 +147,34 @@ def test_compiled_blocks_train_with_and_without_checkpointing(family, pytorch_at
         assert off_eager < 1e-4 and off_fp64 < 1e-4, (f"{family}, checkpointing {checkpointing}: compiled LoRA "
                                                       f"gradients off eager by {off_eager:.2e}, fp64 by {off_fp64:.2e}")
         undo()
+
+
+def _self_attention_forwards(profile) -> int:
+    """Self-attention forward kernels (queries and keys of one length) in a profile of the CPU."""
+    return sum(1 for e in profile.events() if e.name == "aten::_scaled_dot_product_flash_attention_for_cpu"
+               and e.input_shapes and e.input_shapes[0][-2] == e.input_shapes[1][-2])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["flux2", "wan"])
+def test_recompute_keeping_attention_skips_its_forward_and_trains_the_same(family, pytorch_attention):
+    """`keep_attention` (the plan's `attention_kept`): each recomputed block keeps its self-attention output, so
+    backward runs no self-attention forward again (compiled: selective checkpointing inside the block's graph,
+    counted in a profile); the LoRA gradients are eager's, compiled and eager alike."""
+    eager_model, eager_lora, _, _ = _setup(family, compiled=False, checkpointing=False)
+    ref = _grads(eager_model, eager_lora, _inputs(family, eager_model))
+    blocks = 4 if family == "flux2" else 2
+    for compiled in (True, False):
+        for keep in (False, True):
+            model, lora, logged, undo = _setup(family, compiled=compiled, keep_attention=keep)
+            _grads(model, lora, _inputs(family, model))                 # (compiles)
+            with torch.profiler.profile(record_shapes=True) as profile:
+                got = _grads(model, lora, _inputs(family, model))
+            assert _worst(got, ref) < 1e-4, f"compiled {compiled}, attention kept {keep}"
+            if compiled:
+                assert not any("does not compile" in line for line in logged)
+                assert _self_attention_forwards(profile) == blocks * (1 if keep else 2), f"attention kept {keep}"
+            undo()
 
 
 def _min_cosine(got, ref):

@@ -54,15 +54,20 @@ def test_auto_fits_its_budget_and_its_step_lies_between_none_and_all(gpu):
     # the step without any recompute, on the same device (it need not fit there)
     fastest = sum(cost.block_seconds(KLEIN, b, W, devices[0].tflops_bf16, False) for b in KLEIN.blocks)
     assert fastest <= auto.predicted_step_s <= every.predicted_step_s
-    assert auto.recompute_saved_s == pytest.approx(every.predicted_step_s - auto.predicted_step_s)
+    # (what the kept blocks save against every block recomputed the way auto recomputes the rest)
+    alike = make_plan(KLEIN, devices, dataclasses.replace(W, recompute="all",
+                                                          attention_kept=auto.workload["attention_kept"]))
+    assert auto.recompute_saved_s == pytest.approx(alike.predicted_step_s - auto.predicted_step_s)
     kept = auto.kept_activations
     if gpu == "h200":                      # 139.8 GiB: every block keeps its activations, as none would
         assert kept == list(range(N)) and auto.predicted_step_s == pytest.approx(fastest)
     else:                                  # 24 GiB: a few blocks, not all
         assert 0 < len(kept) < N and auto.predicted_step_s < every.predicted_step_s
-    # the memory forecast counts each kept block's activations instead of its input
-    grown = sum(cost.block_activation_bytes(KLEIN, KLEIN.blocks[i], W, False)
-                - cost.block_activation_bytes(KLEIN, KLEIN.blocks[i], W, True) for i in kept)
+    # the memory forecast counts each kept block's activations instead of its input (and its attention, where
+    # the recomputed blocks keep that)
+    w = dataclasses.replace(W, attention_kept=auto.workload["attention_kept"])
+    grown = sum(cost.block_activation_bytes(KLEIN, KLEIN.blocks[i], w, False)
+                - cost.block_activation_bytes(KLEIN, KLEIN.blocks[i], w, True) for i in kept)
     assert stage.kept_gib * GIB == pytest.approx(grown - _peak_drop(kept), abs=0.002 * GIB)
     line = f"recompute auto: {len(kept)} of {N} blocks keep their activations (+{stage.kept_gib:.1f} GiB)"
     assert line in format_plan(auto)
@@ -95,7 +100,8 @@ def test_all_and_none_forecast_what_checkpointing_true_and_false_did(checkpointi
     by_switch = Workload(width=1024, height=1024, compiled=True, checkpointing=checkpointing)
     assert by_switch == dataclasses.replace(W, recompute="all" if checkpointing else "none")
     plan = plan_training(KLEIN, devices, by_switch)
-    gib, seconds = old_forecast(devices, by_switch, checkpointing)
+    assert plan.workload["attention_kept"] is checkpointing    # (the H200 holds the recomputed blocks' attention)
+    gib, seconds = old_forecast(devices, dataclasses.replace(by_switch, attention_kept=checkpointing), checkpointing)
     (stage,) = plan.stages
     assert stage.offloaded == [] and stage.forecast_gib == pytest.approx(gib, abs=0.001)
     assert plan.predicted_step_s == pytest.approx(seconds, rel=1e-12)
@@ -169,3 +175,21 @@ def test_toml_checkpointing_is_overridden_by_a_later_recompute(tmp_path):
     toml.write_text("[train]\ncheckpointing = false\n")
     assert load_config(toml_file=toml).recompute == "none"
     assert load_config(toml_file=toml, overrides={"recompute": "auto"}).recompute == "auto"
+
+
+def test_recomputed_blocks_keep_their_attention_where_that_is_faster_and_swaps_nothing():
+    """`Workload.attention_kept`: the plan keeps each recomputed block's self-attention output where that plan is
+    faster and swaps no block; it then holds one attention output and its statistics more per recomputed block."""
+    devices = parse_device_specs(["h200"], probe=False)
+    every = plan_training(KLEIN, devices, dataclasses.replace(W, recompute="all"))
+    given = make_plan(KLEIN, devices, dataclasses.replace(W, recompute="all"))     # (the workload as given)
+    assert every.workload["attention_kept"] and not given.workload["attention_kept"]
+    (kept,), (plain,) = every.stages, given.stages
+    grown = N * KLEIN.kept_attention_bytes(W)
+    assert grown == N * 4608 * (4096 * 2 + 32 * 4)             # [tokens, hidden] in bf16 and fp32 per head and token
+    assert (kept.forecast_gib - plain.forecast_gib) * GIB == pytest.approx(grown, abs=0.002 * GIB)
+    assert every.predicted_step_s < given.predicted_step_s
+    assert f"those recomputed keep their self-attention outputs (+{grown / GIB:.1f} GiB)" in format_plan(every)
+    tight = plan_training(KLEIN, [card(12 * GIB)], dataclasses.replace(W, recompute="all"))
+    assert tight.offloaded_blocks and not tight.workload["attention_kept"]
+    assert "self-attention" not in format_plan(tight)

@@ -55,6 +55,9 @@ class Workload:
     # The recomputed blocks' inputs wait for their backward in pinned host memory, one back on the GPU at a time:
     # the planner's last resort where the GPU cannot hold them (long video clips), ugpum.compute.recompute
     inputs_on_host: bool = False
+    # The recomputed blocks keep their self-attention outputs, so their recompute skips attention (selective
+    # checkpointing, ugpum.compute.recompute): the planner's choice where it is faster and fits without swapping
+    attention_kept: bool = False
     checkpointing: InitVar[bool | None] = None     # the older switch: true is recompute all, false none
 
     def __post_init__(self, checkpointing):
@@ -101,6 +104,16 @@ class ArchSpec(ABC):
     def boundary_bytes(self, w: Workload) -> int:
         """Hidden state crossing one stage boundary in one direction (the gradient is as large)."""
         return w.batch * self.stream_tokens(w) * self.hidden * self.stream_bytes
+
+    def self_attention_flops(self, w: Workload) -> int:
+        """Forward FLOPs of one block's self-attention over the stream for one sample (what `attention_kept`
+        spares its recompute)."""
+        return 4 * self.stream_tokens(w) ** 2 * self.hidden
+
+    def kept_attention_bytes(self, w: Workload) -> int:
+        """What a recomputed block keeps of its self-attention under `attention_kept`: the output in the compute
+        dtype and the softmax's log-sum-exp (fp32 per head and token), which its backward reads."""
+        return w.batch * self.stream_tokens(w) * (self.hidden * ACT_BYTES + self.heads * 4)
 
     def block_flops(self, block: BlockSpec, w: Workload) -> float:
         """Forward FLOPs of one block: its matmuls plus attention."""

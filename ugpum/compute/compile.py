@@ -33,7 +33,10 @@ What is inside the graph, what stays outside
   (``_ClassForward``); Dynamo raises while tracing, before anything ran, so the call is simply redone.
 * Per-block recompute (``ugpum.compute.recompute``) wraps ``block.forward`` *outside* the compiled
   function: compile first, wrap for recompute after (``compile_blocks`` refuses a block whose forward is
-  already wrapped). Recomputation in backward re-runs the compiled forward.
+  already wrapped). Recomputation in backward re-runs the compiled forward; except where the recompute keeps
+  some outputs (selective checkpointing: `Workload.attention_kept`), which torch compiles only with the
+  checkpoint inside the graph: the class then has a second compiled function (``recomputed``), whose backward
+  graph recomputes what it needs and is fused by inductor with the backward's own work.
 * Placement hooks (``ugpum.placement.place``: moving inputs between devices, swap-in) are ``Module.__call__``
   hooks of the block itself; they run before ``forward`` and are never compiled. A block on another
   device, or a swapped block whose weights sit in a different slot, is the same graph with inputs on
@@ -62,6 +65,7 @@ import types
 from dataclasses import dataclass, field
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 __all__ = ["compile_blocks", "compile_support", "compile_stats", "CompileStats", "SETTINGS"]
@@ -193,12 +197,13 @@ def compile_blocks(model: nn.Module, block_paths: list[str], setting: str = "aut
                                   and getattr(f, "__self__", None) is block):
             raise ValueError(f"block {path} already has a wrapped forward (recomputed?): call compile_blocks "
                              "before recompute_blocks")
-    forwards = {cls: _ClassForward(cls, *_compiled_forward(cls, dynamic, mode), log)   # eager fallback: per call
+    forwards = {cls: _ClassForward(cls, *_compiled_forward(cls, dynamic, mode), log, (dynamic, mode))  # per call
                 for cls in {type(b) for b in blocks}}
     for block in blocks:
         cls = type(block)
         block.forward = functools.wraps(cls.forward)(functools.partial(forwards[cls], block))
         block.forward._ugpum_compiled = True
+        block.forward.recomputed = functools.partial(forwards[cls].recomputed, block)
     classes = sorted({type(b).__name__ for b in blocks})
     log(f"compile={setting}: {len(blocks)} blocks compiled as {len(classes)} shared graph(s) "
         f"({', '.join(classes)}) on {', '.join(sorted(str(d) for d in devices))}; "
@@ -218,16 +223,17 @@ def _not_one_graph() -> tuple[type, ...]:
                  if hasattr(torch._dynamo.exc, name))
 
 
-def _compiled_forward(cls: type, dynamic, mode) -> tuple:
+def _compiled_forward(cls: type, dynamic, mode, context_fn=None) -> tuple:
     """(forward on copies, its compiled function) of a block class, made once per process and options, so that
-    every `compile_blocks` call reuses what Dynamo compiled before."""
+    every `compile_blocks` call reuses what Dynamo compiled before. With `context_fn`, the function is the
+    forward recomputed in backward under that selective checkpoint (`_recomputed_on_copies`)."""
     with _lock:
-        pair = _compiled_forwards.get((cls, (dynamic, mode)))
+        pair = _compiled_forwards.get((cls, (dynamic, mode, context_fn)))
         if pair is None:
-            on_copies = _forward_on_copies(cls)
+            on_copies = _forward_on_copies(cls) if context_fn is None else _recomputed_on_copies(cls, context_fn)
             compiled = torch.compile(on_copies, backend=_counting_backend(cls.__name__), dynamic=dynamic,
                                      fullgraph=True, **({"mode": mode} if mode else {}))
-            pair = _compiled_forwards[(cls, (dynamic, mode))] = (on_copies, compiled)
+            pair = _compiled_forwards[(cls, (dynamic, mode, context_fn))] = (on_copies, compiled)
     return pair
 
 
@@ -246,19 +252,33 @@ class _ClassForward:
     graph, the same forward on copies run eagerly (the copies keep it safe inside `recompute_blocks`, which
     copies nothing for a compiled forward)."""
 
-    def __init__(self, cls: type, on_copies, compiled, log):
+    def __init__(self, cls: type, on_copies, compiled, log, options=(None, None)):
         self.cls, self.on_copies, self.compiled, self.log = cls, on_copies, compiled, log
+        self.options = options                      # (dynamic, mode), for the recomputed function
         self.eager_reason = None
 
     def __call__(self, block, *args, **kwargs):
+        return self._run(self.compiled, self.on_copies, block, args, kwargs)
+
+    def recomputed(self, block, context_fn, *args, **kwargs):
+        """The forward recomputed in backward, keeping what `context_fn` (torch's selective checkpoint contexts)
+        saves, with the checkpoint inside the compiled graph; eagerly where the class does not compile."""
+        def eager(b, *a, **k):
+            return torch.utils.checkpoint.checkpoint(lambda *x: self.on_copies(b, *x, **k), *a, use_reentrant=False,
+                                                     context_fn=context_fn)
+        with_grad = torch.is_grad_enabled()         # (without gradients nothing is saved: the plain graph serves)
+        compiled = _compiled_forward(self.cls, *self.options, context_fn)[1] if with_grad else self.compiled
+        return self._run(compiled, eager, block, args, kwargs)
+
+    def _run(self, compiled, eager, block, args, kwargs):
         if self.eager_reason is None:
             try:
-                return self.compiled(block, *args, **kwargs)
+                return compiled(block, *args, **kwargs)
             except _not_one_graph() as err:         # raised before any kernel ran: running eagerly redoes nothing
                 self.eager_reason = _why(err)
                 self.log(f"compile: {self.cls.__name__} does not compile as one graph ({self.eager_reason}), so "
                          "its blocks run eagerly")
-        return self.on_copies(block, *args, **kwargs)
+        return eager(block, *args, **kwargs)
 
 
 def _own_copy(value):
@@ -274,5 +294,22 @@ def _forward_on_copies(cls: type):
     def forward_on_copies(self, *args, **kwargs):
         return forward(self, *[_own_copy(a) for a in args], **{k: _own_copy(v) for k, v in kwargs.items()})
 
-    code = forward_on_copies.__code__.replace(co_name=f"{cls.__name__}_forward_on_copies")
-    return types.FunctionType(code, forward_on_copies.__globals__, code.co_name, None, forward_on_copies.__closure__)
+    return _named(forward_on_copies, f"{cls.__name__}_forward_on_copies")
+
+
+def _recomputed_on_copies(cls: type, context_fn):
+    """`_forward_on_copies(cls)` under torch's non-reentrant checkpoint with `context_fn`: compiled as one graph,
+    its backward recomputes the forward but for what `context_fn` keeps. A code object of its own (as above)."""
+    on_copies = _forward_on_copies(cls)
+
+    def recomputed_on_copies(self, *args, **kwargs):
+        # the keywords stay in the closure: a block keyword can never collide with checkpoint()'s own
+        return torch.utils.checkpoint.checkpoint(lambda *a: on_copies(self, *a, **kwargs), *args,
+                                                 use_reentrant=False, context_fn=context_fn)
+    return _named(recomputed_on_copies, f"{cls.__name__}_recomputed_on_copies")
+
+
+def _named(function, name: str):
+    """`function` with a code object of its own, named `name` (Dynamo's cache and recompile limit key on it)."""
+    code = function.__code__.replace(co_name=name)
+    return types.FunctionType(code, function.__globals__, code.co_name, None, function.__closure__)

@@ -130,7 +130,7 @@ def _private(v):
     return v.clone() if torch.is_tensor(v) and v.is_floating_point() else v
 
 
-def recompute_block(block, *args, **kwargs):
+def recompute_block(block, *args, context_fn=None, **kwargs):
     """``block(*args, **kwargs)`` recomputed in backward (non-reentrant ``torch.utils.checkpoint``), for
     in-place blocks.
 
@@ -139,6 +139,7 @@ def recompute_block(block, *args, **kwargs):
     between forward and backward. Use together with ``guard_inplace_residuals`` for blocks that
     modify their input in place (ComfyUI FLUX.2); harmless for out-of-place blocks (Wan).
     Tuples/lists of tensors (e.g. modulation tuples) are passed through untouched: blocks read them.
+    `context_fn`: torch's selective checkpoint contexts (what the recompute keeps instead of recomputing).
     """
     def run(*a):
         # kwargs stay in the closure (non-reentrant checkpoint tracks them through autograd
@@ -147,4 +148,5 @@ def recompute_block(block, *args, **kwargs):
         k = {key: _private(v) for key, v in kwargs.items()}
         return block(*a, **k)
 
-    return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False)
+    selective = {"context_fn": context_fn} if context_fn is not None else {}
+    return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False, **selective)

@@ -1,6 +1,8 @@
 """Per-block recompute: keep only each block's input, and run the block's forward again in backward
 (torch's activation checkpointing, `torch.utils.checkpoint`, one block at a time); where the plan says so
-(`Workload.inputs_on_host`), the kept inputs wait for their backward in pinned host memory."""
+(`Workload.attention_kept`), also each block's self-attention output, so that its recompute skips the attention
+(torch's selective checkpointing); where the plan says so (`Workload.inputs_on_host`), the kept inputs wait for
+their backward in pinned host memory."""
 from __future__ import annotations
 
 import contextlib
@@ -8,6 +10,7 @@ import functools
 
 import torch.utils.checkpoint
 from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from .inplace_guard import recompute_block
 
@@ -16,9 +19,33 @@ from .inplace_guard import recompute_block
 # tables: no gradient) stays where it is.
 HOST_MIN_BYTES = 4 * 1024 ** 2
 
+# PyTorch's fused attention forwards (F.scaled_dot_product_attention dispatches to one of them): their outputs
+# (the attention output and its softmax statistics, which their backward reads) are what `attention_kept` keeps.
+ATTENTION_OPS = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_cudnn_attention",
+                 "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention_for_cpu")
+
+
+def _attention_ops() -> set:
+    return {getattr(torch.ops.aten, name).default for name in ATTENTION_OPS if hasattr(torch.ops.aten, name)}
+
+
+def keep_self_attention(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """The selective-checkpoint policy of `attention_kept`: a self-attention's outputs (queries and keys of one
+    length) are saved in forward; everything else is recomputed. A block's attention is a fifth of its forward at
+    1024² and grows with tokens²; its output is one hidden state's bytes (cross-attention on the text is cheap to
+    recompute, and is)."""
+    if op in _attention_ops() and args[0].shape[-2] == args[1].shape[-2]:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def attention_kept_contexts():
+    """torch.utils.checkpoint's `context_fn` for `keep_self_attention` (one function: compiled graphs key on it)."""
+    return create_selective_checkpoint_contexts(keep_self_attention)
+
 
 def recompute_blocks(model: nn.Module, block_paths: list[str], inputs_on_host: bool = False,
-                     device_types: tuple[str, ...] = ("cuda",)) -> callable:
+                     device_types: tuple[str, ...] = ("cuda",), keep_attention: bool = False) -> callable:
     """Wrap each block's forward in `recompute_block`; returns a function that undoes it.
 
     Placement hooks run in `Module.__call__`, outside the wrapped forward, so routing happens once
@@ -29,12 +56,18 @@ def recompute_blocks(model: nn.Module, block_paths: list[str], inputs_on_host: b
     `inputs_on_host`: each block's inputs that carry a gradient (`HOST_MIN_BYTES` or more) are saved to pinned
     host memory when the block runs forward and come back to their device for its backward (`inputs_to_host`;
     only from devices of `device_types`).
+    `keep_attention`: each block keeps its self-attention output (`keep_self_attention`); a compiled block then
+    runs its recompute inside its compiled graph (`ugpum.compute.compile`: torch compiles selective checkpointing
+    only from inside), where inductor also fuses the recomputed forward into the backward.
     """
+    if keep_attention and inputs_on_host:
+        raise ValueError("keep_attention and inputs_on_host: the plan takes one or the other (both hold memory "
+                         "for a recomputed block, in opposite directions)")
     originals = {}
     for path in block_paths:
         block = model.get_submodule(path)
         originals[path] = inner = block.forward
-        run = _recompute_as_is if getattr(inner, "_ugpum_compiled", False) else recompute_block
+        run = _runner(getattr(inner, "_ugpum_compiled", False), keep_attention)
         if inputs_on_host:
             run = functools.partial(_on_host, run, device_types)
 
@@ -48,6 +81,15 @@ def recompute_blocks(model: nn.Module, block_paths: list[str], inputs_on_host: b
         for path, fwd in originals.items():
             model.get_submodule(path).forward = fwd
     return undo
+
+
+def _runner(compiled: bool, keep_attention: bool):
+    """How a block's forward is recomputed: `run(forward, *args, **kwargs)`."""
+    if not keep_attention:
+        return _recompute_as_is if compiled else recompute_block
+    if compiled:
+        return lambda forward, *a, **k: forward.recomputed(attention_kept_contexts, *a, **k)
+    return functools.partial(recompute_block, context_fn=attention_kept_contexts)
 
 
 def _recompute_as_is(forward, *args, **kwargs):

@@ -71,10 +71,12 @@ def block_time_terms(spec: ArchSpec, block: BlockSpec, w: Workload, recomputed: 
     their speed: the dense matmuls' forward passes and backward (an 8-bit base runs them at different
     speeds), attention, and the memory-bound work around the matmuls (norms, modulation, activations, casts,
     residuals), which grows with tokens x width where the matmuls grow with width²: counted as the dense
-    FLOPs over the block's width (`elementwise_width` of them make one FLOP's time)."""
+    FLOPs over the block's width (`elementwise_width` of them make one FLOP's time). A recomputed block keeping
+    its self-attention (`Workload.attention_kept`) recomputes only the rest of its attention."""
     dense, attention = block_flops_split(spec, block, w)
     forward, backward = dense * (1 + recomputed), dense * DENSE_BACKWARD
-    return {"forward": forward, "backward": backward, "attention": attention * (1 + ATTENTION_BACKWARD + recomputed),
+    again = (attention - spec.self_attention_flops(w) * w.batch * w.attention_kept) * recomputed
+    return {"forward": forward, "backward": backward, "attention": attention * (1 + ATTENTION_BACKWARD) + again,
             "elementwise": (forward + backward) / spec.hidden}
 
 
@@ -123,8 +125,8 @@ def full_activation_bytes(spec: ArchSpec, block: BlockSpec, w: Workload) -> floa
 
 def block_activation_bytes(spec: ArchSpec, block: BlockSpec, w: Workload, recomputed: bool) -> float:
     """Bytes a block keeps alive from its forward until its backward."""
-    if recomputed:
-        return spec.boundary_bytes(w)                     # only its output, the next block's input
+    if recomputed:                                        # its output, the next block's input (+ its attention)
+        return spec.boundary_bytes(w) + (spec.kept_attention_bytes(w) if w.attention_kept else 0)
     return full_activation_bytes(spec, block, w)
 
 

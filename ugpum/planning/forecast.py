@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..arch import get_spec
+from ..arch.base import Workload
 from .devices import Device, parse_device_specs, resolve_devices, with_desktop
 from .plan import GIB, MAX_MICRO_BATCHES, Plan, PlanError, alternatives_text
 from .space import best_plan, host_limit
@@ -130,11 +131,21 @@ def recompute_line(plan: Plan) -> str:
                 f"other {n - kept} hold their inputs in host memory ({plan.inputs_on_host_gib:.1f} GiB, "
                 f"+{plan.inputs_on_host_s:.2f} s/micro-batch): the GPU cannot hold them")
     if kept == 0:
-        return f"recompute {plan.recompute}: every block recomputed in backward"
+        return f"recompute {plan.recompute}: every block recomputed in backward" + attention_kept_words(plan, n)
     saved = "" if is_cpu_run(plan) else f", {plan.recompute_saved_s:.2f} s/step saved"
     if plan.recompute == "none":
         return f"recompute none: every block keeps its activations (+{gib:.1f} GiB against recomputing them{saved})"
-    return f"recompute {plan.recompute}: {kept} of {n} blocks keep their activations (+{gib:.1f} GiB){saved}"
+    return (f"recompute {plan.recompute}: {kept} of {n} blocks keep their activations (+{gib:.1f} GiB){saved}"
+            + attention_kept_words(plan, n - kept))
+
+
+def attention_kept_words(plan: Plan, recomputed: int) -> str:
+    """What the recomputed blocks keep of their attention (`Workload.attention_kept`), in words ("" if nothing)."""
+    if not plan.workload.get("attention_kept") or not recomputed:
+        return ""
+    w = Workload(**{f.name: plan.workload[f.name] for f in dataclasses.fields(Workload) if f.name in plan.workload})
+    gib = recomputed * plan.in_flight * get_spec(plan.model).kept_attention_bytes(w) / GIB
+    return f"; those recomputed keep their self-attention outputs (+{gib:.1f} GiB), so their recompute skips it"
 
 
 def plan_for_config(cfg, devices: list[Device] | None = None, split: list[int] | None = None,

@@ -444,6 +444,30 @@ def _arranged(spec, devices, w, grad_accum, in_flight, split, kind: str | None =
 
 
 def _scheduled(spec, devices, w, grad_accum, schedule, split) -> tuple[Layout, str, int, Workload]:
+    """(layout, schedule, micro-batches in flight, the workload planned): `_scheduled_as_given`, with the
+    recomputed blocks keeping their self-attention outputs (`Workload.attention_kept`) where that is faster and
+    swaps no block (a swapped block's bytes over the host link cost more than its attention)."""
+    plain = _scheduled_as_given(spec, devices, w, grad_accum, schedule, split)
+    keeping = _attention_kept(plain[3])
+    if keeping is None:
+        return plain
+    try:
+        kept = _scheduled_as_given(spec, devices, keeping, grad_accum, schedule, split)
+    except PlanError:
+        return plain
+    faster = kept[0].predicted_step_s < plain[0].predicted_step_s
+    return kept if faster and not kept[0].offloaded_blocks and kept[3].attention_kept else plain
+
+
+def _attention_kept(w: Workload) -> Workload | None:
+    """`w` with the recomputed blocks keeping their self-attention outputs (None: it recomputes nothing, or its
+    recomputed blocks' inputs wait in host memory, or it keeps them already)."""
+    if w.recompute == "none" or w.inputs_on_host or w.attention_kept:
+        return None
+    return dataclasses.replace(w, attention_kept=True)
+
+
+def _scheduled_as_given(spec, devices, w, grad_accum, schedule, split) -> tuple[Layout, str, int, Workload]:
     """(layout, schedule, micro-batches in flight, the workload planned): `schedule` "auto" takes the fastest
     order for the split, and the layout counts the activations of every micro-batch that order keeps in flight;
     its step forecast is that order's (a split that swaps blocks runs its micro-batches one after another).
@@ -455,7 +479,7 @@ def _scheduled(spec, devices, w, grad_accum, schedule, split) -> tuple[Layout, s
         on_host = _inputs_on_host(w)
         if on_host is None or _solve(spec, devices, on_host, grad_accum, 1, split) is None:
             raise
-        return _scheduled(spec, devices, on_host, grad_accum, schedule, split)
+        return _scheduled_as_given(spec, devices, on_host, grad_accum, schedule, split)
     chosen = best_schedule(layout, grad_accum) if schedule == "auto" else schedule
     held = held_in_flight(chosen, len(devices), grad_accum)
     kind = "sequential" if chosen == "sequential" else "pipelined"
@@ -467,7 +491,9 @@ def _scheduled(spec, devices, w, grad_accum, schedule, split) -> tuple[Layout, s
 def _inputs_on_host(w: Workload) -> Workload | None:
     """`w` with the recomputed blocks' inputs in host memory, the last resort (None: it has them there, or
     recomputes nothing)."""
-    return None if w.recompute == "none" or w.inputs_on_host else dataclasses.replace(w, inputs_on_host=True)
+    if w.recompute == "none" or w.inputs_on_host:
+        return None
+    return dataclasses.replace(w, inputs_on_host=True, attention_kept=False)
 
 
 def _fits(spec, devices, w, grad_accum, in_flight, split=None) -> Layout | None:

@@ -85,11 +85,12 @@ def make_trainable(cfg: TrainConfig, plan: Plan, spec, model, block_paths: list[
     recomputed = recomputed_paths(plan, spec, block_paths)
     guards = guard_inplace_residuals(model, include_rms=False)
     undo_compile = compile_blocks(model, block_paths, cfg.compile, log)
-    on_host = plan.workload.get("inputs_on_host", False)
-    undo_recompute = recompute_blocks(model, recomputed, inputs_on_host=on_host)
+    on_host, attention = (plan.workload.get(k, False) for k in ("inputs_on_host", "attention_kept"))
+    undo_recompute = recompute_blocks(model, recomputed, inputs_on_host=on_host, keep_attention=attention)
     log((f"recompute: {len(recomputed)} of {len(block_paths)} blocks recomputed in backward, the rest keep their "
          "activations" if len(recomputed) < len(block_paths) else "recompute: every block recomputed in backward")
-        + (", the recomputed blocks' inputs waiting in host memory" if on_host else ""))
+        + (", the recomputed blocks' inputs waiting in host memory" if on_host else "")
+        + (", keeping their self-attention outputs" if attention and recomputed else ""))
 
     def undo():
         undo_recompute()
