@@ -260,7 +260,8 @@ EXPERIMENTS = {
                         lambda comfy_attention, *args, **kwargs: comfy_attention(*args, **kwargs)),
     "gemm-autotune": ("torch._inductor.config", "max_autotune_gemm", True),
     "plain-ops": ("ugpum.compute.kernels", "ON_BY_DEFAULT", ()),         # PyTorch's ops, no kernel of ours
-    "int8-lora-epilogue": ("ugpum.compute.modes.int8", "LORA_IN_KERNEL", True),   # the LoRA in the int8 GEMM
+    "int8-lora-epilogue": ("ugpum.compute.modes.int8", "LORA_IN_KERNEL", True), "attention-recomputed": (
+        "ugpum.planning.plan", "KEEP_ATTENTION", False),     # the LoRA in the int8 GEMM; a recompute of all
     **{name: ("ugpum.compute.kernels", "ON_BY_DEFAULT", (name,)) for name in kernels.KERNELS},   # that one alone
 }
 
@@ -364,7 +365,7 @@ def case_row(a, rc: int, plans: list, out: Path, log: str, clocks: dict, meter: 
         "forecast_gib": plan.stages[0].forecast_gib if plan else None,
         "swapped_blocks": len(plan.offloaded_blocks) if plan else None,
         "offloaded_blocks": list(plan.offloaded_blocks) if plan else None,
-        "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+        "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""), "attention_kept": bool(plan and plan.workload.get("attention_kept")),
         "device_tflops": round(DETECTED[0].tflops_bf16, 1) if DETECTED else None,
         "device_host_gbps": round(DETECTED[0].host_gbps, 1) if DETECTED else None,
         "swap_gib_per_step": round(plan.swap_bytes_per_step / GIB, 2) if plan else None,

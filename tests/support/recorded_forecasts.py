@@ -45,7 +45,8 @@ def workload(row: dict) -> Workload:
     loaded = words[words.index("--weight-dtype") + 1] if "--weight-dtype" in words else "bf16"
     return Workload(width=row["resolution"], height=row["resolution"], frames=row["frames"], rank=rank,
                     compiled=row.get("compile", "on") != "off", base_compute=row["base_compute"],
-                    held_dtype=held_dtype(row["base_compute"], loaded), loaded_dtype=loaded, recompute=row["recompute"])
+                    held_dtype=held_dtype(row["base_compute"], loaded), loaded_dtype=loaded, recompute=row["recompute"],
+                    attention_kept=row.get("attention_kept", False))
 
 
 def unit_bytes(row: dict, spec, w: Workload) -> float:

@@ -27,6 +27,8 @@ CUDA_CONTEXT = 0.64 * GIB
 # more, bench/results/calibration_fit.jsonl), and a forecast at the very edge must not decide a run.
 HEADROOM = 0.03
 MAX_MICRO_BATCHES = 8
+# Recomputed blocks may keep their self-attention outputs (`Workload.attention_kept`, where faster; False: never)
+KEEP_ATTENTION = True
 
 
 class PlanError(ValueError, EngineError):
@@ -462,7 +464,7 @@ def _scheduled(spec, devices, w, grad_accum, schedule, split) -> tuple[Layout, s
 def _attention_kept(w: Workload) -> Workload | None:
     """`w` with the recomputed blocks keeping their self-attention outputs (None: it recomputes nothing, or its
     recomputed blocks' inputs wait in host memory, or it keeps them already)."""
-    if w.recompute == "none" or w.inputs_on_host or w.attention_kept:
+    if not KEEP_ATTENTION or w.recompute == "none" or w.inputs_on_host or w.attention_kept:
         return None
     return dataclasses.replace(w, attention_kept=True)
 
