@@ -50,14 +50,17 @@ def workload(row: dict) -> Workload:
 
 
 def unit_bytes(row: dict, spec, w: Workload) -> float:
-    """One hidden state in this run: what a recomputed block left alive (its output), which reads the tokens
-    the dataset's buckets really had; else the spec's count at resolution²."""
-    small = [m for m in row.get("block_kept_mib") or [] if m * MIB < 2 * spec.boundary_bytes(w)]
-    return statistics.median(small) * MIB if small else spec.boundary_bytes(w)
+    """One hidden state in this run: what a recomputed block left alive (its output, less the self-attention it
+    kept where it kept that), which reads the tokens the dataset's buckets really had; else the spec's count at
+    resolution²."""
+    attention = spec.kept_attention_bytes(w) if w.attention_kept else 0
+    small = [m * MIB - attention for m in row.get("block_kept_mib") or []
+             if m * MIB < 2 * spec.boundary_bytes(w) + attention]
+    return statistics.median(small) if small else spec.boundary_bytes(w)
 
 
 def kept_blocks(row: dict, spec, w: Workload) -> tuple[int, ...]:
-    unit = unit_bytes(row, spec, w)
+    unit = unit_bytes(row, spec, w) + (spec.kept_attention_bytes(w) if w.attention_kept else 0)
     return tuple(i for i, m in enumerate(row.get("block_kept_mib") or []) if m * MIB > 2 * unit)
 
 

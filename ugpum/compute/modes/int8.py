@@ -20,7 +20,7 @@ class Int8(ComputeMode):
     held_dtype = "fp8"                                   # 1 byte a weight, counted as fp8 weights are
     # compiled: fitted to the H100 runs ugpum/planning/calibration.json names; eager: the H200's steps in
     # bench/results/speed.md (1.00 s against bf16's 0.61 s)
-    dense_speed = {"compiled": (1.3711, 0.8129), "eager": (0.56, 0.56)}
+    dense_speed = {"compiled": (1.2807, 0.8534), "eager": (0.56, 0.56)}
     speed_measured_on = {"compiled": "H100", "eager": "H200"}
     # the lowest of klein 9B's first, middle and last block on an H100
     # (bench/results/gradient_cosine_2026-12-07_h100.jsonl; 0.9997 on an H200 before, bench/results/speed.md)
