@@ -203,7 +203,7 @@ def test_a_block_that_is_not_one_graph_runs_eagerly_and_trains(comfy, monkeypatc
     """A FLUX.2 block that Dynamo would split (an op it cannot trace inside attention, as ComfyUI's split
     attention on the CPU asks psutil for free memory) must not be compiled in pieces: a later piece adds in
     place into a tensor an earlier piece saved for backward. The class runs eagerly, said once, and trains
-    like eager with and without checkpointing."""
+    like eager with and without checkpointing, and with the recompute keeping the attention."""
     import comfy.ldm.flux.math as flux_math
     import comfy.ldm.modules.attention as attention
 
@@ -215,10 +215,10 @@ def test_a_block_that_is_not_one_graph_runs_eagerly_and_trains(comfy, monkeypatc
     torch._dynamo.reset()
     eager_model, eager_lora, _, _ = _setup("flux2", compiled=False, checkpointing=False)
     eager = _grads(eager_model, eager_lora, _inputs("flux2", eager_model))
-    for checkpointing in (False, True):
-        model, lora, logged, undo = _setup("flux2", compiled=True, checkpointing=checkpointing)
+    for checkpointing, keep in ((False, False), (True, False), (True, True)):
+        model, lora, logged, undo = _setup("flux2", compiled=True, checkpointing=checkpointing, keep_attention=keep)
         got = _grads(model, lora, _inputs("flux2", model))
-        assert _worst(got, eager) < 1e-6, f"checkpointing {checkpointing}"
+        assert _worst(got, eager) < 1e-6, f"checkpointing {checkpointing}, attention kept {keep}"
         assert sorted(line.split()[1] for line in logged[1:]) == ["DoubleStreamBlock", "SingleStreamBlock"]
         assert all("does not compile as one graph" in line for line in logged[1:])
         undo()
