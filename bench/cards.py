@@ -10,9 +10,8 @@ planning, streaming, 8-bit quantising, swap, compile and step loop a user gets. 
 context a real card spends (`ugpum.planning.plan.CUDA_CONTEXT`), (2) has `detect_devices` report the capped card,
 (3) records the plan the run made, and (4) samples the SM clock and power (nvidia-smi) while it trains.
 One JSON row per case is appended to --rows: model, card_gib (null: unconstrained), base_compute (what ran),
-s_per_step (median after the first two steps: compile and warm-up), peak_gib (allocator peak of the whole
-run, loading included), forecast_s, forecast_gib, swapped_blocks, the validation losses, clocks, command.
-"""
+s_per_step (median after the first two steps: compile and warm-up), peak_gib (allocator peak of the whole run,
+loading included), forecast_s, forecast_gib, swapped_blocks, attention_kept, the validation losses, clocks, command."""
 from __future__ import annotations
 
 import argparse
@@ -357,15 +356,15 @@ def case_row(a, rc: int, plans: list, out: Path, log: str, clocks: dict, meter: 
         "recompute": a.recompute, "kept_blocks": len(plan.kept_activations) if plan else None,
         "peak_gib": round(peak_allocated, 3) if torch.cuda.is_available() else None,
         "peak_reserved_gib": round(peak_reserved, 3) if torch.cuda.is_available() else None,
-        "host_peak_gib": round(host_peak_gib(), 3),
-        "forecast_host_gib": getattr(plan, "forecast_host_gib", None),
+        "host_peak_gib": round(host_peak_gib(), 3), "forecast_host_gib": getattr(plan, "forecast_host_gib", None),
         "detail_gib": plan.stages[0].detail_gib if plan else None,
         "budget_gib": plan.stages[0].budget_gib if plan else None,
         "forecast_s": round(plan.predicted_step_s, 4) if plan else None,
         "forecast_gib": plan.stages[0].forecast_gib if plan else None,
         "swapped_blocks": len(plan.offloaded_blocks) if plan else None,
         "offloaded_blocks": list(plan.offloaded_blocks) if plan else None,
-        "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""), "attention_kept": bool(plan and plan.workload.get("attention_kept")),
+        "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+        "attention_kept": bool(plan and plan.workload.get("attention_kept")),
         "device_tflops": round(DETECTED[0].tflops_bf16, 1) if DETECTED else None,
         "device_host_gbps": round(DETECTED[0].host_gbps, 1) if DETECTED else None,
         "swap_gib_per_step": round(plan.swap_bytes_per_step / GIB, 2) if plan else None,
