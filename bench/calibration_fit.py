@@ -190,8 +190,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", nargs="+", default=ROWS)
     p.add_argument("--write", action="store_true", help="write ugpum/planning/calibration.json")
-    p.add_argument("--check", action="store_true", help="exit 1 where the coefficients the planner reads (the "
-                   "calibration files, each mode's dense_speed) are not this fit's")
+    p.add_argument("--check", action="store_true", help="exit 1 where what the planner reads is not this fit")
     a = p.parse_args(argv)
     held = {"shared": cost.CALIBRATION["time"], **{f.name: dict(f.calibration) for f in FAMILIES},
             **{m.name: m.dense_speed["compiled"] for m in MODES}}
@@ -202,10 +201,8 @@ def main(argv=None) -> int:
     memory, host = memory_table(fitted), host_table(fitted)
     families = [f for f in FAMILIES if f.name in memory]      # (one no row measured keeps its own)
     for family in families:
-        fitted_rows = {**family.calibration, "runs": runs, "memory": memory[family.name],
-                       "allocator": memory["allocator"][family.name], "host_gib": host[family.name]}
-        family.calibration.clear()
-        family.calibration.update(fitted_rows)
+        family.calibration.update(runs=runs, memory=memory[family.name], allocator=memory["allocator"][family.name],
+                                  host_gib=host[family.name])
     time = time_table(fitted)                 # (sets what it fits where the forecast reads it)
     shared = {**cost.CALIBRATION, "runs": runs,
               "rows": [str(Path(n).resolve().relative_to(ROOT)) if Path(n).resolve().is_relative_to(ROOT) else n
@@ -219,8 +216,7 @@ def main(argv=None) -> int:
     now = {"shared": shared["time"], **{f.name: dict(f.calibration) for f in FAMILIES},
               **{m.name: m.dense_speed["compiled"] for m in MODES}}
     if a.check and now != held:
-        print("the planner's coefficients are not this fit's:", {k: (held[k], v) for k, v in now.items()
-                                                                 if held[k] != v})
+        print("the planner reads other coefficients:", {k: (held[k], v) for k, v in now.items() if held[k] != v})
         return 1
     if a.write:
         cost.CALIBRATION_FILE.write_text(json.dumps(shared, indent=1) + "\n")

@@ -45,16 +45,16 @@ from ugpum.formats.atomic import append_line  # noqa: E402
 GIB = 1024 ** 3
 
 
-class Tee(io.TextIOBase):
+class Tee(io.StringIO):
     """stdout that is also kept, to read the run's own report lines (validation loss) afterwards."""
 
     def __init__(self, stream):
-        self.stream, self.kept = stream, io.StringIO()
+        super().__init__()
+        self.stream = stream
 
     def write(self, text):
         self.stream.write(text)
-        self.kept.write(text)
-        return len(text)
+        return super().write(text)
 
     def flush(self):
         self.stream.flush()
@@ -134,12 +134,11 @@ def neighbour(plan, variant: str, spec, devices):
 
 
 class BlockMemory:
-    """What each block keeps for its backward, read off the allocator in the real run: at every block's
-    forward pre-hook of a training step (grad on; validation runs without grad, and recomputed blocks
-    recompute without module hooks) the bytes allocated on cuda:0, and after the last block. The difference
-    between two blocks' readings is what the first one left alive for backward (its saved tensors, its
-    output). Each step's first block also reads and resets the allocator's peaks, so every step's peak
-    (forward, backward, optimizer) is kept apart; `peaks()` is the whole run's."""
+    """What each block keeps for its backward, read off the allocator in the real run: at every block's forward
+    pre-hook of a training step (grad on; validation runs without grad, and recomputed blocks recompute without
+    module hooks) the bytes allocated on cuda:0, and after the last block. The difference between two readings is
+    what the first block left alive for backward (its saved tensors, its output). Each step's first block also
+    reads and resets the allocator's peaks, so every step's peak is kept apart; `peaks()` is the whole run's."""
 
     def __init__(self):
         self.steps: list[dict] = []
@@ -253,6 +252,24 @@ def write_config(path: Path, a) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
+def torchao_base(recipe: str):
+    """--experiment torchao-float8 | torchao-int8, with --base-compute bf16: the blocks' frozen Linears in torchao's
+    8-bit training path instead of ours (issue 41: the library measured beside ours). torchao keeps each weight in
+    bf16 and quantises it at every call; its forward runs on the same module, under the same LoRA hooks."""
+    def use(model, paths, mode, log, keep=None):
+        from torchao.float8.float8_linear import Float8Linear, Float8LinearConfig
+        from torchao.prototype.quantized_training import int8_mixed_precision_training
+        from torchao.quantization import quantize_
+        for m in (model.get_submodule(p) for p in paths):
+            if recipe == "float8":
+                m.forward = Float8Linear.from_float(m, config=Float8LinearConfig.from_recipe_name("rowwise")).forward
+            else:
+                quantize_(m, int8_mixed_precision_training())
+        log(f"base compute: torchao's {recipe} training path in {len(paths)} Linears")
+        return lambda: None
+    return use
+
+
 # what-ifs (--experiment): a setting changed before the run, (module, name, value)
 EXPERIMENTS = {
     "comfy-attention": ("ugpum.arch.attention", "torch_attention",     # attention as ComfyUI 0.33 chooses it
@@ -262,6 +279,7 @@ EXPERIMENTS = {
     "int8-lora-epilogue": ("ugpum.compute.modes.int8", "LORA_IN_KERNEL", True), "attention-recomputed": (
         "ugpum.planning.plan", "KEEP_ATTENTION", False),     # the LoRA in the int8 GEMM; a recompute of all
     **{name: ("ugpum.compute.kernels", "ON_BY_DEFAULT", (name,)) for name in kernels.KERNELS},   # that one alone
+    **{f"torchao-{r}": ("ugpum.train.prepare", "use_base_compute", torchao_base(r)) for r in ("float8", "int8")},
 }
 
 
@@ -276,19 +294,15 @@ def main(argv=None) -> int:
     p.add_argument("--frames", type=int, default=1)
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--compile", default="on", choices=["auto", "on", "off"])
-    p.add_argument("--recompute", default="all", choices=["auto", "all", "none"],
-                   help="blocks recomputed in backward (all: per-block checkpointing on every block)")
+    p.add_argument("--recompute", default="all", choices=["auto", "all", "none"], help="blocks recomputed in backward")
     p.add_argument("--dataset", default=str(ROOT / "demo_datasets" / "loranne"))
     p.add_argument("--rows", required=True, help="JSON lines file the case's row is appended to")
     p.add_argument("--work", required=True, help="a scratch folder for the run's config and output")
     p.add_argument("--label", default="")
-    p.add_argument("--choice", default="", choices=["", "planner", "neighbour"],
-                   help="issue 29's calibration rows: the planner's own pick, or a neighbour of it (--variant)")
+    p.add_argument("--choice", default="", choices=["", "planner", "neighbour"], help="the plan's pick or a neighbour")
     p.add_argument("--of", default="", help="the label of the planner's pick a neighbour row belongs to")
-    p.add_argument("--variant", default="", help="a neighbour of the planner's pick: kept+N, kept-N, swapped+N, "
-                                                 "swapped-N or other-base")
-    p.add_argument("--speed-rows", help="also append issue 23's `impl: ugpum_cli` row (bench/results/speed.json's "
-                                        "fields) to this JSON lines file")
+    p.add_argument("--variant", default="", help="a neighbour of the planner's pick: kept±N, swapped±N")
+    p.add_argument("--speed-rows", help="also append the speed row (bench/results/speed.json's fields) to this file")
     p.add_argument("--call", default="", help="which GPU run the speed row belongs to (the peer's --call)")
     p.add_argument("--experiment", default="", choices=["", *EXPERIMENTS], help="a what-if (EXPERIMENTS)")
     a = p.parse_args(argv)
@@ -310,7 +324,7 @@ def main(argv=None) -> int:
     with contextlib.redirect_stdout(tee):
         rc = ugpum_main(argv_train)
     clocks = clock.stop()
-    row = case_row(a, rc, plans, out, tee.kept.getvalue(), clocks, meter)
+    row = case_row(a, rc, plans, out, tee.getvalue(), clocks, meter)
     row.update(wall_s=round(time.time() - started, 1),
                command="python bench/cards.py " + " ".join(shlex.quote(x) for x in (argv or sys.argv[1:])),
                cli=" ".join(["python -m ugpum", *argv_train]),
@@ -324,9 +338,8 @@ def main(argv=None) -> int:
 
 
 def speed_row(a, row: dict, plan) -> dict:
-    """Issue 23's row for the user's path beside `peer_reference` rows: the median s/step of steps 5 and
-    later of the run's own metrics.jsonl (the case row's step_seconds; compile and warm-up excluded), with
-    the clocks it ran at."""
+    """Issue 23's row for the user's path beside `peer_reference` rows: the median s/step of steps 5 and later of
+    the run's own metrics.jsonl (the case row's step_seconds; compile and warm-up excluded), with its clocks."""
     timed = row["step_seconds"][4:]
     return {"model": row["model"], "impl": "ugpum_cli", "experiment": a.experiment, "mode": row["base_compute"],
             "compiled": a.compile == "on", "compile": a.compile, "choice": a.choice, "variant": a.variant, "of": a.of,

@@ -115,7 +115,7 @@ peer=../shared/bench/peer_reference.py
 # The frontend, templates and docs packages are not needed: the test server uses --front-end-root.
 # SITE=server (the default): everything the ComfyUI server and the node tests import. SITE=cli: only what
 # `python -m ugpum train` and the reference peer import (comfy-kitchen with its CUDA kernels, as a user's
-# install has it, comfy-aimdo, the samplers' torchsde, and diffusers for the peer), which leaves room for the
+# install has it, comfy-aimdo, the samplers' torchsde, diffusers for the peer, torchao), which leaves room for the
 # kitchen's 171 MB fatbin (~30 MB packed) beside the two ComfyUIs.
 site_kind=${SITE:-server}
 wheels=(
@@ -125,6 +125,7 @@ wheels=(
 if [ "$site_kind" = cli ]; then
   kitchen_cuda=${KITCHEN_CUDA:-1}
   wheels+=(diffusers==0.37.0 importlib_metadata==8.7.0)  # the reference peer (../shared/bench/peer_reference.py)
+  wheels+=(torchao==0.18.0)              # its 8-bit training paths beside ours (bench/cards.py --experiment torchao-*)
 else
   wheels+=(
   alembic==1.20.1 Mako==1.4.3 SQLAlchemy==2.1.9 greenlet==3.5.6   # ComfyUI's database

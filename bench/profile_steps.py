@@ -71,18 +71,10 @@ def kernel_events(prof) -> tuple[list, bool]:
 
 def busy_ms(events) -> float:
     """The union of the kernels' time intervals (ms): the GPU's busy time, overlaps counted once."""
-    spans = sorted((e.time_range.start, e.time_range.end) for e in events)
-    total, end = 0.0, None
-    start = None
-    for s, e in spans:
-        if end is None or s > end:
-            if end is not None:
-                total += end - start
-            start, end = s, e
-        else:
-            end = max(end, e)
-    if end is not None:
-        total += end - start
+    total, end = 0.0, float("-inf")
+    for start, stop in sorted((e.time_range.start, e.time_range.end) for e in events):
+        total += max(0.0, stop - max(start, end))         # the part of it after everything before it ended
+        end = max(end, stop)
     return total / 1000
 
 
@@ -161,8 +153,7 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     wall: list[float] = []
-    last = [None]
-    done = [False]
+    last, done = [None], [False]
 
     def ready(prof):
         summary = summarise(prof, a.active, wall[-a.active:])
