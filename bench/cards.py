@@ -253,20 +253,20 @@ def write_config(path: Path, a) -> None:
 
 
 def torchao_base(recipe: str):
-    """--experiment torchao-float8 | torchao-int8, with --base-compute bf16: the blocks' frozen Linears in torchao's
-    8-bit training path instead of ours (issue 41: the library measured beside ours). torchao keeps each weight in
-    bf16 and quantises it at every call; its forward runs on the same module, under the same LoRA hooks."""
+    """--experiment torchao-float8 | torchao-int8 (--base-compute bf16): the frozen Linears in torchao's 8-bit training
+    path, beside ours (issue 41). It holds weights in bf16, quantised at every call; each keeps its LoRA hooks."""
     def use(model, paths, mode, log, keep=None):
         from torchao.float8.float8_linear import Float8Linear, Float8LinearConfig
         from torchao.prototype.quantized_training import int8_mixed_precision_training
         from torchao.quantization import quantize_
-        for m in (model.get_submodule(p) for p in paths):
+        kept = {m: m.weight for m in map(model.get_submodule, paths)}    # (int8's go back before the model is moved)
+        for m in kept:
             if recipe == "float8":
                 m.forward = Float8Linear.from_float(m, config=Float8LinearConfig.from_recipe_name("rowwise")).forward
             else:
                 quantize_(m, int8_mixed_precision_training())
         log(f"base compute: torchao's {recipe} training path in {len(paths)} Linears")
-        return lambda: None
+        return lambda: [setattr(m, "weight", w) for m, w in kept.items() if recipe == "int8"]
     return use
 
 
