@@ -10,9 +10,14 @@ import functools
 
 import torch.utils.checkpoint
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from .inplace_guard import recompute_block
+
+try:                 # torch's selective checkpointing (2.4 and later): what `keep_attention` needs
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+except ImportError:  # pragma: no cover - an older torch recomputes all of each block (plans never ask for more)
+    CheckpointPolicy = create_selective_checkpoint_contexts = None
+SELECTIVE_CHECKPOINTING = create_selective_checkpoint_contexts is not None
 
 # A saved tensor goes to host memory under `inputs_on_host` when it carries a gradient and is this large: the
 # hidden states between blocks (tens to hundreds of MiB); what every block shares (modulation, text, RoPE

@@ -9,6 +9,7 @@ from functools import lru_cache
 from . import cost
 from ..arch.base import ACT_BYTES, WEIGHT_BYTES, ArchSpec, Workload
 from ..compute import modes
+from ..compute.recompute import SELECTIVE_CHECKPOINTING
 from ..compute.modes import (AUTO, EXACT, fastest_mode_for, mode_named, modes_run_by, tensor_core_modes,
                              within_quality_bound)
 from .devices import Device, gpu_to_gpu_gbps, host_memory, speed_assumed
@@ -27,8 +28,9 @@ CUDA_CONTEXT = 0.64 * GIB
 # more, bench/results/calibration_fit.jsonl), and a forecast at the very edge must not decide a run.
 HEADROOM = 0.03
 MAX_MICRO_BATCHES = 8
-# Recomputed blocks may keep their self-attention outputs (`Workload.attention_kept`, where faster; False: never)
-KEEP_ATTENTION = True
+# Recomputed blocks may keep their self-attention outputs (`Workload.attention_kept`, where faster; False: never):
+# where this torch has selective checkpointing
+KEEP_ATTENTION = SELECTIVE_CHECKPOINTING
 
 
 class PlanError(ValueError, EngineError):
