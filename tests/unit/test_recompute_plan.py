@@ -177,7 +177,7 @@ def test_toml_checkpointing_is_overridden_by_a_later_recompute(tmp_path):
     assert load_config(toml_file=toml, overrides={"recompute": "auto"}).recompute == "auto"
 
 
-def test_recomputed_blocks_keep_their_attention_where_that_is_faster_and_swaps_nothing():
+def test_recomputed_blocks_keep_their_attention_where_that_is_faster_and_swaps_nothing(monkeypatch):
     """`Workload.attention_kept`: the plan keeps each recomputed block's self-attention output where that plan is
     faster and swaps no block; it then holds one attention output and its statistics more per recomputed block."""
     devices = parse_device_specs(["h200"], probe=False)
@@ -193,3 +193,6 @@ def test_recomputed_blocks_keep_their_attention_where_that_is_faster_and_swaps_n
     tight = plan_training(KLEIN, [card(12 * GIB)], dataclasses.replace(W, recompute="all"))
     assert tight.offloaded_blocks and not tight.workload["attention_kept"]
     assert "self-attention" not in format_plan(tight)
+    import ugpum.planning.plan as planning
+    monkeypatch.setattr(planning, "KEEP_ATTENTION", False)      # (a torch without selective checkpointing)
+    assert not plan_training(KLEIN, devices, dataclasses.replace(W, recompute="all")).workload["attention_kept"]
