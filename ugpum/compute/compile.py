@@ -264,11 +264,9 @@ class _ClassForward:
     def recomputed(self, block, context_fn, *args, **kwargs):
         """The forward recomputed in backward, keeping what `context_fn` (torch's selective checkpoint contexts)
         saves, with the checkpoint inside the compiled graph; eagerly where the class does not compile."""
-        def eager(b, *a, **k):
-            return torch.utils.checkpoint.checkpoint(lambda *x: self.on_copies(b, *x, **k), *a, use_reentrant=False,
-                                                     context_fn=context_fn)
-        with_grad = torch.is_grad_enabled()         # (without gradients nothing is saved: the plain graph serves)
-        compiled = _compiled_forward(self.cls, *self.options, context_fn)[1] if with_grad else self.compiled
+        if not torch.is_grad_enabled():             # (without gradients nothing is saved: the plain forward serves)
+            return self(block, *args, **kwargs)
+        eager, compiled = _compiled_forward(self.cls, *self.options, context_fn)     # (the first: uncompiled)
         return self._run(compiled, eager, block, args, kwargs)
 
     def _run(self, compiled, eager, block, args, kwargs):
