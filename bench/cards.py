@@ -108,11 +108,9 @@ def neighbour(plan, variant: str, spec, devices):
     next or last ones in the planner's own keep order) or swapped (swapped+N, swapped-N: the planner's own
     swap candidate of that size, its kept blocks then chosen as the planner chooses them), forecast as the
     planner forecasts any set. A neighbour may not fit the card: the run then says so by running out."""
-    from ugpum.arch import Workload
     from ugpum.planning.plan import GIB, StageCosts, budget_bytes
     (stage,) = plan.stages
-    fields = {k: v for k, v in plan.workload.items() if k in Workload.__dataclass_fields__}
-    costs = StageCosts(spec, devices[:1], Workload(**fields), plan.in_flight)
+    costs = StageCosts(spec, devices[:1], plan.planned_workload(), plan.in_flight)
     what, sign, count = re.fullmatch(r"(kept|swapped)([+-])(\d+)", variant).groups()
     delta, n = int(count) * (1 if sign == "+" else -1), len(spec.blocks)
     offloaded, kept = tuple(stage.offloaded), tuple(stage.kept_activations)

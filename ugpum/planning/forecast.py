@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 
 from ..arch import get_spec
-from ..arch.base import Workload
 from .devices import Device, parse_device_specs, resolve_devices, with_desktop
 from .plan import GIB, MAX_MICRO_BATCHES, Plan, PlanError, alternatives_text
 from .space import best_plan, host_limit
@@ -143,8 +142,7 @@ def attention_kept_words(plan: Plan, recomputed: int) -> str:
     """What the recomputed blocks keep of their attention (`Workload.attention_kept`), in words ("" if nothing)."""
     if not plan.workload.get("attention_kept") or not recomputed:
         return ""
-    w = Workload(**{f.name: plan.workload[f.name] for f in dataclasses.fields(Workload) if f.name in plan.workload})
-    gib = recomputed * plan.in_flight * get_spec(plan.model).kept_attention_bytes(w) / GIB
+    gib = recomputed * plan.in_flight * get_spec(plan.model).kept_attention_bytes(plan.planned_workload()) / GIB
     return f"; those recomputed keep their self-attention outputs (+{gib:.1f} GiB), so their recompute skips it"
 
 

@@ -93,6 +93,11 @@ class Plan:
         """The plan of each copy of the model that trains: the replicas', or this one."""
         return self.replicas or [self]
 
+    def planned_workload(self) -> Workload:
+        """The workload this plan was made for, from its record (less the older names and the derived keys)."""
+        known = {f.name for f in dataclasses.fields(Workload)}
+        return Workload(**{k: v for k, v in self.workload.items() if k in known})
+
     @property
     def kept_activations(self) -> list[int]:
         """Every block that keeps its activations (is not recomputed in backward), over all stages."""
