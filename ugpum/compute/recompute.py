@@ -30,8 +30,10 @@ ATTENTION_OPS = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_cud
                  "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention_for_cpu")
 
 
-def _attention_ops() -> set:
-    return {getattr(torch.ops.aten, name).default for name in ATTENTION_OPS if hasattr(torch.ops.aten, name)}
+@functools.cache
+def _attention_ops() -> frozenset:
+    """ATTENTION_OPS as this torch has them (once: the policy asks at every op of a recomputed block)."""
+    return frozenset(getattr(torch.ops.aten, name).default for name in ATTENTION_OPS if hasattr(torch.ops.aten, name))
 
 
 def keep_self_attention(ctx, op, *args, **kwargs) -> CheckpointPolicy:
