@@ -274,7 +274,8 @@ EXPERIMENTS = {
                         lambda comfy_attention, *args, **kwargs: comfy_attention(*args, **kwargs)),
     "gemm-autotune": ("torch._inductor.config", "max_autotune_gemm", True),
     "plain-ops": ("ugpum.compute.kernels", "ON_BY_DEFAULT", ()),         # PyTorch's ops, no kernel of ours
-    "int8-lora-epilogue": ("ugpum.compute.modes.int8", "LORA_IN_KERNEL", True), "attention-recomputed": (
+    "int8-lora-epilogue": ("ugpum.compute.modes.int8", "LORA_IN_KERNEL", True), "int8-tma": (
+        "ugpum.compute.kernels.int8_matmul", "DESCRIPTORS", True), "attention-recomputed": (
         "ugpum.planning.plan", "KEEP_ATTENTION", False),     # the LoRA in the int8 GEMM; a recompute of all
     **{name: ("ugpum.compute.kernels", "ON_BY_DEFAULT", (name,)) for name in kernels.KERNELS},   # that one alone
     **{f"torchao-{r}": ("ugpum.train.prepare", "use_base_compute", torchao_base(r)) for r in ("float8", "int8")},

@@ -13,6 +13,7 @@ import textwrap
 import pytest
 import torch
 
+from ugpum.compute.kernels import int8_matmul
 from ugpum.compute.kernels.int8_matmul import int8_scaled_mm
 from ugpum.compute.kernels.lora_up import add_up_projection
 from ugpum.compute.modes import mode_named
@@ -92,19 +93,21 @@ def test_the_int8_op_is_the_rescaled_integer_product_plus_the_lora_term():
 
 def test_the_int8_kernel_computes_the_rescaled_integer_product_and_the_lora_term():
     _in_the_interpreter("""
-        import torch, triton
+        import itertools, torch, triton
         from ugpum.compute.kernels import triton_kernels as k
         from tests.unit.test_kernels import _int8_operands
+        triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8))   # (descriptors)
         g = torch.Generator().manual_seed(3)
         for dtype in (torch.float32, torch.float16):
-            for (m, n, kk), r in (((300, 260, 160), 0), ((17, 129, 64), 8), ((130, 64, 300), 40)):  # tile, K, rank edges
+            for (m, n, kk), r in (((300, 260, 160), 0), ((17, 129, 64), 8), ((130, 64, 300), 40), ((70, 48, 96), 8)):  # tile, K, rank edges
                 a, sa, b, sb = _int8_operands(m, n, kk)
                 h, lb = torch.randn(m, max(r, 1), generator=g).to(dtype), torch.randn(n, max(r, 1), generator=g).to(dtype)
                 c = torch.empty(m, n, dtype=dtype)
-                for bm, bn in ((64, 128), (128, 64)):          # (the autotuner needs a GPU: tiles set here)
-                    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
-                    k.int8_scaled_mm.fn[grid](a, b, sa.reshape(-1), sb, c, h, lb, m, n, kk, r, 0.5, BM=bm, BN=bn,
-                                              BK=128, LORA=r > 0, BR=k.TILE_R)
+                kernels = (k.int8_scaled_mm, k.int8_scaled_mm_tma) if kk % 16 == 0 else (k.int8_scaled_mm,)
+                for kernel, (bm, bn) in itertools.product(kernels, ((64, 128), (128, 64))):   # (tiles set here:
+                    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)               # the autotuner needs a GPU)
+                    kernel.fn[grid](a, b, sa.reshape(-1), sb, c, h, lb, m, n, kk, r, 0.5, BM=bm, BN=bn, BK=32,
+                                    LORA=r > 0, BR=k.TILE_R, **({"GROUP": 2} if kernel is k.int8_scaled_mm_tma else {}))
                     want = (a.double() @ b.double().t()) * sa.double() * sb.double()
                     if r:
                         want = want + (h.double() @ lb.double().t()) * 0.5
@@ -129,7 +132,9 @@ def test_on_cuda_the_kernel_gives_the_plain_forms_values_and_gradients_in_bf16(m
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the kernel itself runs on CUDA")
 @pytest.mark.parametrize("m, n, k", [(4608, 36864, 4096), (512, 4096, 12288), (333, 515, 272)])
-def test_on_cuda_the_int8_kernel_matches_int_mm_in_bf16(m, n, k):
+@pytest.mark.parametrize("descriptors", [False, True])
+def test_on_cuda_the_int8_kernel_matches_int_mm_in_bf16(m, n, k, descriptors, monkeypatch):
+    monkeypatch.setattr(int8_matmul, "DESCRIPTORS", descriptors)
     a, sa, b, sb = _int8_operands(m, n, k, "cuda")
     got = int8_scaled_mm(a, sa, b, sb, torch.bfloat16).float()
     want = (a.double() @ b.double().t()).float() * sa * sb       # (_int_mm needs multiples of 8)

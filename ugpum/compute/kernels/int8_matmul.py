@@ -13,6 +13,16 @@ from torch.library import triton_op, wrap_triton
 
 from . import cdiv, runs_kernel
 
+# Whether the GEMM's tiles come in through Hopper's tensor memory accelerator (`triton_kernels.int8_scaled_mm_tma`,
+# K a multiple of 16) rather than each thread's loads; off until a GPU run measures it (bench/cards.py
+# --experiment int8-tma).
+DESCRIPTORS = False
+
+
+def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    # the descriptors' scratch memory, which Triton asks its allocator for at each launch
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
 
 @triton_op("ugpum::int8_scaled_mm", mutates_args=())
 def int8_scaled_mm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, out_dtype: torch.dtype,
@@ -34,6 +44,11 @@ def int8_scaled_mm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch
 
     def grid(meta):
         return (cdiv(m, meta["BM"]) * cdiv(n, meta["BN"]),)
-    wrap_triton(k.int8_scaled_mm)[grid](a, b, sa, sb, c, h, lb, m, n, width, h.shape[1] if lora else 0, scale,
+    kernel = k.int8_scaled_mm
+    if DESCRIPTORS and width % 16 == 0:
+        import triton
+        triton.set_allocator(_scratch)          # (a context variable: set in the thread that launches)
+        kernel = k.int8_scaled_mm_tma
+    wrap_triton(kernel)[grid](a, b, sa, sb, c, h, lb, m, n, width, h.shape[1] if lora else 0, scale,
                                         LORA=lora, BR=k.TILE_R)
     return c

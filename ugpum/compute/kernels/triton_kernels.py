@@ -66,3 +66,38 @@ def int8_scaled_mm(a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, h_ptr, lb_ptr, M, N, K, 
         c += up_projection(h_ptr, lb_ptr, rm, rn, M, N, R, BM, BN, BR) * scale
     tl.store(c_ptr + rm[:, None] * N + rn[None, :], c.to(c_ptr.dtype.element_ty),
              mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+# The same GEMM with its tiles brought in by Hopper's tensor memory accelerator (device-side descriptors, Triton 3.3+)
+# instead of each thread's loads, in groups of GROUP row tiles that share b's tiles in L2. Its descriptors take
+# scratch memory from the allocator Triton is given (`int8_matmul`; inductor sets its own).
+@triton.autotune(configs=[triton.Config({"BM": 128, "BN": 256, "BK": 128}, num_warps=8, num_stages=3),
+                          triton.Config({"BM": 256, "BN": 128, "BK": 128}, num_warps=8, num_stages=3),
+                          triton.Config({"BM": 128, "BN": 128, "BK": 128}, num_warps=8, num_stages=4),
+                          triton.Config({"BM": 128, "BN": 128, "BK": 256}, num_warps=8, num_stages=3),
+                          triton.Config({"BM": 64, "BN": 128, "BK": 128}, num_warps=4, num_stages=4)],
+                 key=["M", "N", "K"])
+@triton.jit
+def int8_scaled_mm_tma(a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, h_ptr, lb_ptr, M, N, K, R, scale,
+                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, LORA: tl.constexpr, BR: tl.constexpr,
+                       GROUP: tl.constexpr = 8):
+    # as int8_scaled_mm; K a multiple of 16 (a descriptor's rows are 16-byte aligned)
+    pid, rows, cols = tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(N, BN)
+    group_first = pid // (GROUP * cols) * GROUP
+    group_rows = min(rows - group_first, GROUP)
+    pm = group_first + (pid % (GROUP * cols)) % group_rows
+    pn = (pid % (GROUP * cols)) // group_rows
+    a_tiles = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[K, 1], block_shape=[BM, BK])
+    b_tiles = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[K, 1], block_shape=[BN, BK])
+    acc = tl.zeros((BM, BN), dtype=tl.int32)
+    for k0 in range(0, K, BK):
+        acc = tl.dot(a_tiles.load([pm * BM, k0]), tl.trans(b_tiles.load([pn * BN, k0])), acc)
+    rm = pm * BM + tl.arange(0, BM)
+    rn = pn * BN + tl.arange(0, BN)
+    sa = tl.load(sa_ptr + rm, mask=rm < M, other=0.0)
+    sb = tl.load(sb_ptr + rn, mask=rn < N, other=0.0)
+    c = acc.to(tl.float32) * sa[:, None] * sb[None, :]
+    if LORA:
+        c += up_projection(h_ptr, lb_ptr, rm, rn, M, N, R, BM, BN, BR) * scale
+    tl.store(c_ptr + rm[:, None] * N + rn[None, :], c.to(c_ptr.dtype.element_ty),
+             mask=(rm[:, None] < M) & (rn[None, :] < N))
