@@ -39,16 +39,19 @@ def operands(m, n, k):
     return a, sa, b, sb, h, lb
 
 
-def fixed_tiles(tile):
+def fixed_tiles(tile, fp8_inputs=False, lora=False):
+    """The TMA kernel with these tiles (no autotuning), on the int8 operands or on them as fp8 e4m3."""
     from ugpum.compute.kernels import triton_kernels as k
     bm, bn, bk, warps, stages = tile
 
     def run(a, sa, b, sb, h, lb):
+        if fp8_inputs:
+            a, b = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
         (m, kk), n = a.shape, b.shape[0]
         c = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
         k.int8_scaled_mm_tma.fn[(cdiv(m, bm) * cdiv(n, bn),)](
-            a, b, sa.reshape(-1), sb, c, a, b, m, n, kk, 0, 0.0, BM=bm, BN=bn, BK=bk, LORA=False, BR=k.TILE_R,
-            num_warps=warps, num_stages=stages)
+            a, b, sa.reshape(-1), sb, c, h, lb, m, n, kk, 16 if lora else 0, 0.5, BM=bm, BN=bn, BK=bk, LORA=lora,
+            BR=k.TILE_R, num_warps=warps, num_stages=stages)
         return c
     return run
 
@@ -69,7 +72,10 @@ VARIANTS = {"fp8-cublas": fp8, "int_mm": lambda a, sa, b, sb, h, lb: torch._int_
             "int8-loads": op(False, False), "int8-loads-lora": op(False, True),
             "int8-tma": op(True, False), "int8-tma-lora": op(True, True),
             "weight-transpose": lambda a, sa, b, sb, h, lb: b.t().contiguous(),
-            **{"int8-tma-" + "x".join(map(str, t)): fixed_tiles(t) for t in TILES}}
+            **{"int8-tma-" + "x".join(map(str, t)): fixed_tiles(t) for t in TILES},
+            # fp8 on the same kernel, where its epilogue could add the LoRA (cuBLAS's cannot)
+            **{"fp8-tma-" + "x".join(map(str, t)): fixed_tiles(t, fp8_inputs=True) for t in TILES[:4]},
+            "fp8-tma-lora-" + "x".join(map(str, TILES[0])): fixed_tiles(TILES[0], fp8_inputs=True, lora=True)}
 
 
 def main(argv=None) -> int:
@@ -85,8 +91,8 @@ def main(argv=None) -> int:
         for (m, n, k), calls in SHAPES.items():
             try:
                 got = VARIANTS[name](*inputs[(m, n, k)])
-                if name.startswith("int8-tma") and not name.endswith("lora"):    # its product checked against the loads' kernel's
-                    want = VARIANTS["int8-loads"](*inputs[(m, n, k)])
+                if "tma" in name and "lora" not in name:      # its product checked against cuBLAS's or the loads'
+                    want = VARIANTS["fp8-cublas" if name.startswith("fp8") else "int8-loads"](*inputs[(m, n, k)])
                     assert (got.float() - want.float()).norm() <= 1e-2 * want.float().norm(), "wrong product"
                 per_shape[f"{m}x{n}x{k}"] = round(time_ms(lambda: VARIANTS[name](*inputs[(m, n, k)]), 10), 4)
             except Exception as err:          # noqa: BLE001  (a variant this GPU or Triton cannot run: its row says so)

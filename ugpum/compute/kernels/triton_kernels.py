@@ -81,7 +81,7 @@ def int8_scaled_mm(a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, h_ptr, lb_ptr, M, N, K, 
 def int8_scaled_mm_tma(a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, h_ptr, lb_ptr, M, N, K, R, scale,
                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, LORA: tl.constexpr, BR: tl.constexpr,
                        GROUP: tl.constexpr = 8):
-    # as int8_scaled_mm; K a multiple of 16 (a descriptor's rows are 16-byte aligned)
+    # as int8_scaled_mm, also for fp8 e4m3 a and b; K a multiple of 16 (a descriptor's rows are 16-byte aligned)
     pid, rows, cols = tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(N, BN)
     group_first = pid // (GROUP * cols) * GROUP
     group_rows = min(rows - group_first, GROUP)
@@ -89,7 +89,7 @@ def int8_scaled_mm_tma(a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, h_ptr, lb_ptr, M, N,
     pn = (pid % (GROUP * cols)) // group_rows
     a_tiles = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[K, 1], block_shape=[BM, BK])
     b_tiles = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[K, 1], block_shape=[BN, BK])
-    acc = tl.zeros((BM, BN), dtype=tl.int32)
+    acc = tl.zeros((BM, BN), dtype=tl.int32 if a_ptr.dtype.element_ty == tl.int8 else tl.float32)
     for k0 in range(0, K, BK):
         acc = tl.dot(a_tiles.load([pm * BM, k0]), tl.trans(b_tiles.load([pn * BN, k0])), acc)
     rm = pm * BM + tl.arange(0, BM)
