@@ -171,13 +171,14 @@ def test_a_scaled_fp8_weight_is_quantised_with_its_scale(tmp_path, comfy):
 
 
 @pytest.mark.parametrize("compiled", [False, True])
-def test_the_int8_kernel_adds_the_lora_as_the_hook_did(monkeypatch, compiled):
-    """Handed to an int8 base whose kernel takes it (`takes_lora`), the LoRA's up-projection is added by the
+@pytest.mark.parametrize("mode", ["int8", "fp8"])
+def test_an_8bit_kernel_adds_the_lora_as_the_hook_did(monkeypatch, compiled, mode):
+    """Handed to an 8-bit base whose kernel takes it (`takes_lora`), the LoRA's up-projection is added by the
     matmul itself, to the hook's values and gradients (x's, A's, B's); the hook stands aside only there, and
     undoing the base or removing the LoRA gives the hook back."""
     from ugpum.compute import base_compute
     from ugpum.compute.kernels.int8_matmul import int8_scaled_mm
-    from ugpum.compute.modes import int8
+    from ugpum.compute.modes import fp8, int8
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.GELU(), torch.nn.Linear(48, 16))
     lora = attach_lora(model, ["0", "2"], rank=4, alpha=2.0, seed=1)
@@ -195,10 +196,10 @@ def test_the_int8_kernel_adds_the_lora_as_the_hook_did(monkeypatch, compiled):
             a.A.grad = a.B.grad = None
         return [y.detach(), *grads]
 
-    undo = use_base_compute(model, ["0", "2"], "int8", log=lambda *_: None, emulate=True, keep="device")
+    undo = use_base_compute(model, ["0", "2"], mode, log=lambda *_: None, emulate=True, keep="device")
     assert lora.hand_to_kernels(model, base_compute.takes_lora) == 0          # the kernel off: the hook adds it
     want = run()
-    monkeypatch.setattr(int8, "TRITON_KERNEL", int8_scaled_mm)
+    monkeypatch.setattr(int8 if mode == "int8" else fp8, "TRITON_KERNEL", int8_scaled_mm)
     monkeypatch.setattr(int8, "LORA_IN_KERNEL", True)
     assert lora.hand_to_kernels(model, base_compute.takes_lora) == 2
     calls, real = [], base_compute._matmul

@@ -155,7 +155,7 @@ def test_triton_is_imported_only_once_a_kernel_is_turned_on():
         from ugpum.compute import kernels
         assert "triton" not in sys.modules and lora.FUSED_UP_PROJECTION is None and int8.TRITON_KERNEL is None
         assert kernels.turn_on_measured(["cpu"]) == [] and "triton" not in sys.modules    # a CPU run: the plain ops
-        assert kernels.turn_on_measured(["cpu", "cuda:0"]) == list(kernels.ON_BY_DEFAULT) == list(kernels.KERNELS)
+        assert kernels.turn_on_measured(["cpu", "cuda:0"]) == list(kernels.ON_BY_DEFAULT)
         from ugpum.compute.kernels import int8_matmul, lora_up
         assert lora.FUSED_UP_PROJECTION is lora_up.add_up_projection and int8.TRITON_KERNEL is int8_matmul.int8_scaled_mm
         print("ok", "triton" in sys.modules)

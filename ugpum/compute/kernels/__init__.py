@@ -26,7 +26,8 @@ def cdiv(a: int, b: int) -> int:
 
 # name -> (the op's module, its function, the module and the setting that take it)
 KERNELS = {"lora-kernel": ("lora_up", "add_up_projection", "ugpum.compute.lora", "FUSED_UP_PROJECTION"),
-           "int8-kernel": ("int8_matmul", "int8_scaled_mm", "ugpum.compute.modes.int8", "TRITON_KERNEL")}
+           "int8-kernel": ("int8_matmul", "int8_scaled_mm", "ugpum.compute.modes.int8", "TRITON_KERNEL"),
+           "fp8-lora-epilogue": ("int8_matmul", "int8_scaled_mm", "ugpum.compute.modes.fp8", "TRITON_KERNEL")}
 
 
 # The kernels a GPU run measured faster than PyTorch's ops, klein 9B, recompute all, one H100 (bench/results/README.md,

@@ -28,16 +28,17 @@ def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
 def int8_scaled_mm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, out_dtype: torch.dtype,
                    h: Optional[torch.Tensor] = None, lb: Optional[torch.Tensor] = None,
                    scale: float = 0.0) -> torch.Tensor:
-    """(a [M, K] @ b [N, K]^T) * sa [M, 1] * sb [N] as out_dtype; a and b int8, the scales fp32. With h [M, r]
-    and lb [N, r] (a LoRA's down-projected input and its B, one float dtype): + scale * h @ lb^T, in the same
-    kernel's epilogue."""
-    if not runs_kernel(a):
-        y = torch._int_mm(a, b.t()).float() * sa * sb
+    """(a [M, K] @ b [N, K]^T) * sa [M, 1] * sb [N] as out_dtype; a and b int8 (or fp8 e4m3: the TMA kernel), the
+    scales fp32. With h [M, r] and lb [N, r] (a LoRA's down-projected input and its B, one float dtype):
+    + scale * h @ lb^T, in the same kernel's epilogue."""
+    (m, width), n, int8 = a.shape, b.shape[0], a.dtype == torch.int8
+    descriptors = (DESCRIPTORS or not int8) and width % 16 == 0
+    if not runs_kernel(a) or not (int8 or descriptors):
+        y = (torch._int_mm(a, b.t()).float() if int8 else a.float() @ b.float().t()) * sa.reshape(-1, 1) * sb
         return (y if h is None else y + (h.float() @ lb.float().t()) * scale).to(out_dtype)
     from . import triton_kernels as k
     a, b = a.contiguous(), b.contiguous()
     sa, sb = sa.float().reshape(-1).contiguous(), sb.float().reshape(-1).contiguous()
-    (m, width), n = a.shape, b.shape[0]
     c = torch.empty(m, n, device=a.device, dtype=out_dtype)
     lora = h is not None
     h, lb = (h.contiguous(), lb.contiguous()) if lora else (a, b)          # (unread without a LoRA)
@@ -45,10 +46,10 @@ def int8_scaled_mm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch
     def grid(meta):
         return (cdiv(m, meta["BM"]) * cdiv(n, meta["BN"]),)
     kernel = k.int8_scaled_mm
-    if DESCRIPTORS and width % 16 == 0:
+    if descriptors:
         import triton
         triton.set_allocator(_scratch)          # (a context variable: set in the thread that launches)
         kernel = k.int8_scaled_mm_tma
     wrap_triton(kernel)[grid](a, b, sa, sb, c, h, lb, m, n, width, h.shape[1] if lora else 0, scale,
-                                        LORA=lora, BR=k.TILE_R)
+                              LORA=lora, BR=k.TILE_R)
     return c

@@ -7,6 +7,11 @@ import torch
 from .mode import ComputeMode
 
 FP8 = torch.float8_e4m3fn
+# On CUDA, where set (`kernels.turn_on("fp8-lora-epilogue")`): the forward's matmul on the Triton GEMM of
+# `ugpum.compute.kernels.int8_matmul`, which also adds each layer's LoRA up-projection in its epilogue (cuBLAS's
+# cannot); the backward stays on cuBLAS. Off until a GPU run measures it (bench/cards.py --experiment
+# fp8-lora-epilogue).
+TRITON_KERNEL = None
 
 
 class Fp8(ComputeMode):
@@ -27,7 +32,13 @@ class Fp8(ComputeMode):
     def to_grid(self, t):
         return t.clamp(-self.qmax, self.qmax).to(FP8)
 
-    def matmul(self, a, sa, b_t, sb, out_dtype):
+    def takes_lora(self):
+        return TRITON_KERNEL is not None
+
+    def matmul(self, a, sa, b_t, sb, out_dtype, lora=None):
+        if lora is not None:                                 # (only where takes_lora)
+            sb = sb if sb is not None else torch.ones(b_t.shape[0], device=a.device)
+            return TRITON_KERNEL(a, sa, b_t, sb, out_dtype, *lora)
         ones = sb if sb is not None else torch.ones(b_t.shape[0], device=a.device, dtype=torch.float32)
         return torch._scaled_mm(a, b_t.t(), scale_a=sa.float().contiguous(),
                                 scale_b=ones.float().reshape(1, -1).contiguous(), out_dtype=out_dtype)
