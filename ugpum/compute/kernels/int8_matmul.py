@@ -6,6 +6,7 @@ of 2026-12-07). A Triton GEMM runs Hopper's int8 instructions and rescales in it
 without Triton, the op is the PyTorch form."""
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -17,6 +18,13 @@ from . import cdiv, runs_kernel
 # K a multiple of 16) rather than each thread's loads; off until a GPU run measures it (bench/cards.py
 # --experiment int8-tma).
 DESCRIPTORS = False
+
+
+@functools.cache
+def _has_tma(device: torch.device) -> bool:
+    """Whether the GPU has the tensor memory accelerator (Hopper and newer) and Triton reaches it."""
+    import triton.language as tl
+    return torch.cuda.get_device_capability(device) >= (9, 0) and hasattr(tl, "make_tensor_descriptor")
 
 
 def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
@@ -32,7 +40,7 @@ def int8_scaled_mm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch
     scales fp32. With h [M, r] and lb [N, r] (a LoRA's down-projected input and its B, one float dtype):
     + scale * h @ lb^T, in the same kernel's epilogue."""
     (m, width), n, int8 = a.shape, b.shape[0], a.dtype == torch.int8
-    descriptors = (DESCRIPTORS or not int8) and width % 16 == 0
+    descriptors = (DESCRIPTORS or not int8) and width % 16 == 0 and runs_kernel(a) and _has_tma(a.device)
     if not runs_kernel(a) or not (int8 or descriptors):
         y = (torch._int_mm(a, b.t()).float() if int8 else a.float() @ b.float().t()) * sa.reshape(-1, 1) * sb
         return (y if h is None else y + (h.float() @ lb.float().t()) * scale).to(out_dtype)
