@@ -25,7 +25,7 @@
 #               int8-lora-epilogue: the int8 kernel adds the LoRA's up-projection)
 #   trace       the peer, then ours in bf16 and fp8 (recompute all) with their kernel tables and timelines
 #   judge       the peer, then ours in each base-compute mode and recompute setting (issue 41's rows; the
-#               recompute-all rows' kernel tables kept; JUDGE: which rows, MODE-RECOMPUTE[-CARD GiB][@EXPERIMENT])
+#               recompute-all rows' kernel tables kept unless NO_PROFILE; JUDGE: which rows, MODE-RECOMPUTE[-CARD GiB][@EXPERIMENT])
 #   wan-judge   Wan 2.1 14B at 640² x 17 frames: a diffusers + PEFT peer (bench/peer_wan.py), then ours
 #   cards       klein 9B, base compute auto + recompute auto, as the cards people own (CARDS: sizes in GiB,
 #               `whole`, or CARD:VARIANT neighbours of the planner's pick: kept+2 swapped-2 ...)
@@ -132,7 +132,7 @@ for s in $sections; do
     for r in ${JUDGE:-bf16-all fp8-all int8-all bf16-auto fp8-auto bf16-auto-24}; do
       IFS=- read -r m rec card <<< "${r%@*}"
       x=$([ "$r" = "${r%@*}" ] || echo "--experiment ${r#*@}")
-      PROFILE=$([ $rec = all ] && echo 1) case_row judge-${r/@/-} "$COMFYUI_PATH" $ours \
+      PROFILE=$([ $rec = all ] && [ -z "${NO_PROFILE:-}" ] && echo 1) case_row judge-${r/@/-} "$COMFYUI_PATH" $ours \
         --base-compute $m --recompute $rec ${card:+--card-gib $card} $x
     done ;;
   tiles) step "int8 tiles"
