@@ -18,8 +18,8 @@
 #               all; ours' timeline kept too)
 #   eight-bit   ours with the int8 and the fp8 base (recompute all) under inductor's GEMM autotuning
 #               (bench/cards.py --experiment gemm-autotune: the rescale in the matmul's epilogue)
-#   tiles       the 8-bit GEMMs of a klein 9B step alone: cuBLAS fp8, _int_mm, our int8 kernel with and without
-#               the tensor memory accelerator, tiles, LoRA epilogue, weight transposes (bench/int8_tiles.py)
+#   gemm-8bit   the 8-bit GEMMs of a klein 9B step alone: cuBLAS fp8, _int_mm, our int8 kernel with and without
+#               the tensor memory accelerator, tiles, LoRA epilogue, weight transposes (bench/gemm_8bit.py)
 #   kernel-ab   ours, recompute all, as it runs and with an experiment: KERNEL_AB's MODE:EXPERIMENT pairs
 #               (bench/cards.py --experiment plain-ops | lora-kernel | int8-kernel: no kernel, or that kernel alone;
 #               int8-lora-epilogue: the int8 kernel adds the LoRA's up-projection)
@@ -135,8 +135,8 @@ for s in $sections; do
       PROFILE=$([ $rec = all ] && [ -z "${NO_PROFILE:-}" ] && echo 1) case_row judge-${r/@/-} "$COMFYUI_PATH" $ours \
         --base-compute $m --recompute $rec ${card:+--card-gib $card} $x
     done ;;
-  tiles) step "int8 tiles"
-    timeout 240 python3 bench/int8_tiles.py --rows "$out/int8_tiles.jsonl" 2>&1 | tee -a "$log" | tail -20 ;;
+  gemm-8bit) step "the 8-bit GEMMs alone"
+    timeout 240 python3 bench/gemm_8bit.py --rows "$out/gemm_8bit.jsonl" 2>&1 | tee -a "$log" | tail -20 ;;
   kernel-ab) model_file $k9 flux2-klein-9b  # ours without and with a kernel of ugpum.compute.kernels, mode by mode
     for pair in ${KERNEL_AB:-int8:int8-lora-epilogue fp8:plain-ops}; do
       m=${pair%%:*} x=${pair#*:}

@@ -74,7 +74,7 @@ def _matmul(a: torch.Tensor, sa: torch.Tensor, b_t: torch.Tensor, sb: torch.Tens
             h, b, scale = lora
             y = y + (h.float() @ b.float().t()) * scale
         return y.to(out_dtype)
-    return mode.matmul(a, sa, b_t, sb, out_dtype, lora) if lora is not None else mode.matmul(a, sa, b_t, sb, out_dtype)
+    return mode.matmul(a, sa, b_t, sb, out_dtype, lora)
 
 
 class _QuantisedBase(torch.autograd.Function):

@@ -39,9 +39,9 @@ def int8_scaled_mm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch
     """(a [M, K] @ b [N, K]^T) * sa [M, 1] * sb [N] as out_dtype; a and b int8 (or fp8 e4m3: the TMA kernel), the
     scales fp32. With h [M, r] and lb [N, r] (a LoRA's down-projected input and its B, one float dtype):
     + scale * h @ lb^T, in the same kernel's epilogue."""
-    (m, width), n, int8 = a.shape, b.shape[0], a.dtype == torch.int8
-    descriptors = (DESCRIPTORS or not int8) and width % 16 == 0 and runs_kernel(a) and _has_tma(a.device)
-    if not runs_kernel(a) or not (int8 or descriptors):
+    (m, width), n, int8, on_gpu = a.shape, b.shape[0], a.dtype == torch.int8, runs_kernel(a)
+    descriptors = on_gpu and (DESCRIPTORS or not int8) and width % 16 == 0 and _has_tma(a.device)
+    if not (descriptors or (on_gpu and int8)):                          # the PyTorch form
         y = (torch._int_mm(a, b.t()).float() if int8 else a.float() @ b.float().t()) * sa.reshape(-1, 1) * sb
         return (y if h is None else y + (h.float() @ lb.float().t()) * scale).to(out_dtype)
     from . import triton_kernels as k

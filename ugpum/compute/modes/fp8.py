@@ -36,10 +36,9 @@ class Fp8(ComputeMode):
         return TRITON_KERNEL is not None
 
     def matmul(self, a, sa, b_t, sb, out_dtype, lora=None):
-        if lora is not None:                                 # (only where takes_lora)
-            sb = sb if sb is not None else torch.ones(b_t.shape[0], device=a.device)
-            return TRITON_KERNEL(a, sa, b_t, sb, out_dtype, *lora)
         ones = sb if sb is not None else torch.ones(b_t.shape[0], device=a.device, dtype=torch.float32)
+        if lora is not None:                                 # (only where takes_lora)
+            return TRITON_KERNEL(a, sa, b_t, ones, out_dtype, *lora)
         return torch._scaled_mm(a, b_t.t(), scale_a=sa.float().contiguous(),
                                 scale_b=ones.float().reshape(1, -1).contiguous(), out_dtype=out_dtype)
 

@@ -2,10 +2,10 @@
 runs it (1024², recompute all with the attention kept: the fp8 kernel table of bench/results, the sixth call set),
 on cuBLAS's fp8 GEMM (`torch._scaled_mm`, row-wise scales), `torch._int_mm`, and our int8 Triton GEMM with each
 thread's loads and with Hopper's tensor memory accelerator (`ugpum.compute.kernels.int8_matmul.DESCRIPTORS`), each
-autotuned as training runs it and with fixed tiles; with and without the LoRA term in the epilogue; and what the
-backward's on-the-fly weight transposes cost. One JSON row per variant: ms a step and ms per shape.
+autotuned as training runs it and with fixed tiles; with and without the LoRA term in the epilogue; and the
+backward's on-the-fly weight transpose, timed at every call's shape (a step makes one a layer: 112 of the 294). One JSON row per variant: ms a step and ms per shape.
 
-    python bench/int8_tiles.py --rows OUT/int8_tiles.jsonl
+    python bench/gemm_8bit.py --rows OUT/gemm_8bit.jsonl
 """
 from __future__ import annotations
 
