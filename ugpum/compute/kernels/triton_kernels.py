@@ -18,6 +18,19 @@ def up_projection(h_ptr, b_ptr, rm, rn, M, N, R, BM: tl.constexpr, BN: tl.conste
     return acc
 
 
+@triton.jit
+def rescaled_out(acc, rm, rn, sa_ptr, sb_ptr, c_ptr, h_ptr, lb_ptr, M, N, R, scale,
+                 BM: tl.constexpr, BN: tl.constexpr, LORA: tl.constexpr, BR: tl.constexpr):
+    # an 8-bit GEMM's epilogue on tile (rm, rn): c = acc * sa[:, None] * sb[None, :] (+ scale * h @ lb^T, LORA)
+    sa = tl.load(sa_ptr + rm, mask=rm < M, other=0.0)
+    sb = tl.load(sb_ptr + rn, mask=rn < N, other=0.0)
+    c = acc.to(tl.float32) * sa[:, None] * sb[None, :]
+    if LORA:
+        c += up_projection(h_ptr, lb_ptr, rm, rn, M, N, R, BM, BN, BR) * scale
+    tl.store(c_ptr + rm[:, None] * N + rn[None, :], c.to(c_ptr.dtype.element_ty),
+             mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
 # A pass over the layer's output, bound by memory: the 128 x 128 tile of 4 warps measured on the H100 (bench/results,
 # the fifth call set: 25 ms a klein 9B step, ~60 % of HBM's bandwidth) and wider ones, the fastest kept per shape.
 @triton.autotune(configs=[triton.Config({"BM": 128, "BN": 128}, num_warps=4),
@@ -59,13 +72,7 @@ def int8_scaled_mm(a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, h_ptr, lb_ptr, M, N, K, 
         a = tl.load(a_ptr + rm[:, None] * K + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K), other=0)
         b = tl.load(b_ptr + rn[:, None] * K + rk[None, :], mask=(rn[:, None] < N) & (rk[None, :] < K), other=0)
         acc += tl.dot(a, tl.trans(b))
-    sa = tl.load(sa_ptr + rm, mask=rm < M, other=0.0)
-    sb = tl.load(sb_ptr + rn, mask=rn < N, other=0.0)
-    c = acc.to(tl.float32) * sa[:, None] * sb[None, :]
-    if LORA:
-        c += up_projection(h_ptr, lb_ptr, rm, rn, M, N, R, BM, BN, BR) * scale
-    tl.store(c_ptr + rm[:, None] * N + rn[None, :], c.to(c_ptr.dtype.element_ty),
-             mask=(rm[:, None] < M) & (rn[None, :] < N))
+    rescaled_out(acc, rm, rn, sa_ptr, sb_ptr, c_ptr, h_ptr, lb_ptr, M, N, R, scale, BM, BN, LORA, BR)
 
 
 # The same GEMM with its tiles brought in by Hopper's tensor memory accelerator (device-side descriptors, Triton 3.3+)
@@ -92,12 +99,5 @@ def int8_scaled_mm_tma(a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, h_ptr, lb_ptr, M, N,
     acc = tl.zeros((BM, BN), dtype=tl.int32 if a_ptr.dtype.element_ty == tl.int8 else tl.float32)
     for k0 in range(0, K, BK):
         acc = tl.dot(a_tiles.load([pm * BM, k0]), tl.trans(b_tiles.load([pn * BN, k0])), acc)
-    rm = pm * BM + tl.arange(0, BM)
-    rn = pn * BN + tl.arange(0, BN)
-    sa = tl.load(sa_ptr + rm, mask=rm < M, other=0.0)
-    sb = tl.load(sb_ptr + rn, mask=rn < N, other=0.0)
-    c = acc.to(tl.float32) * sa[:, None] * sb[None, :]
-    if LORA:
-        c += up_projection(h_ptr, lb_ptr, rm, rn, M, N, R, BM, BN, BR) * scale
-    tl.store(c_ptr + rm[:, None] * N + rn[None, :], c.to(c_ptr.dtype.element_ty),
-             mask=(rm[:, None] < M) & (rn[None, :] < N))
+    rescaled_out(acc, pm * BM + tl.arange(0, BM), pn * BN + tl.arange(0, BN), sa_ptr, sb_ptr, c_ptr, h_ptr, lb_ptr,
+                 M, N, R, scale, BM, BN, LORA, BR)
