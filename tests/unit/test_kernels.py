@@ -162,3 +162,19 @@ def test_triton_is_imported_only_once_a_kernel_is_turned_on():
     """)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240)
     assert done.returncode == 0 and "ok True" in done.stdout, done.stderr[-3000:]
+
+
+def test_the_fp8_mode_hands_its_matmul_and_lora_to_the_op_where_the_kernel_is_set(monkeypatch):
+    """`Fp8.matmul` with a LoRA (only where `takes_lora`): the op's product of the fp8 grids, rescaled, plus the LoRA
+    term (here the op's PyTorch form; on Hopper its TMA kernel)."""
+    from ugpum.compute.modes import fp8
+    g = torch.Generator().manual_seed(4)
+    a, sa = fp8.MODE.quantise_rows(torch.randn(33, 64, generator=g))
+    b, sb = fp8.MODE.quantise_rows(torch.randn(24, 64, generator=g))
+    h, lb = torch.randn(33, 8, generator=g), torch.randn(24, 8, generator=g)
+    assert not fp8.MODE.takes_lora()
+    monkeypatch.setattr(fp8, "TRITON_KERNEL", int8_scaled_mm)
+    assert fp8.MODE.takes_lora()
+    got = fp8.MODE.matmul(a, sa, b, sb.reshape(-1), torch.float32, (h, lb, 0.25))
+    want = (a.double() * sa.double()) @ (b.double() * sb.double()).t() + (h.double() @ lb.double().t()) * 0.25
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
