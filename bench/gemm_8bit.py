@@ -1,9 +1,10 @@
 """The 8-bit base's GEMMs of one klein 9B step, alone (issue 41): each (M, N, K) the step runs, as many times as it
 runs it (1024², recompute all with the attention kept: the fp8 kernel table of bench/results, the sixth call set),
-on cuBLAS's fp8 GEMM (`torch._scaled_mm`, row-wise scales), `torch._int_mm`, and our int8 Triton GEMM with each
-thread's loads and with Hopper's tensor memory accelerator (`ugpum.compute.kernels.int8_matmul.DESCRIPTORS`), each
-autotuned as training runs it and with fixed tiles; with and without the LoRA term in the epilogue; and the
-backward's on-the-fly weight transpose, timed at every call's shape (a step makes one a layer: 112 of the 294). One JSON row per variant: ms a step and ms per shape.
+on cuBLAS's bf16 GEMM (the reference) and fp8 GEMM (`torch._scaled_mm`, row-wise scales), `torch._int_mm`, and
+our int8 Triton GEMM with each thread's loads and with Hopper's tensor memory accelerator
+(`ugpum.compute.kernels.int8_matmul.DESCRIPTORS`), each autotuned as training runs it and with fixed tiles; with and
+without the LoRA term in the epilogue; and the backward's on-the-fly weight transpose, timed at every call's shape
+(a step makes one a layer: 112 of the 294). One JSON row per variant: ms a step and ms per shape.
 
     python bench/gemm_8bit.py --rows OUT/gemm_8bit.jsonl
 """
@@ -68,7 +69,18 @@ def fp8(a, sa, b, sb, h, lb):
                             scale_b=sb.reshape(1, -1), out_dtype=torch.bfloat16)
 
 
-VARIANTS = {"fp8-cublas": fp8, "int_mm": lambda a, sa, b, sb, h, lb: torch._int_mm(a, b.t()),
+_in_bf16: dict = {}
+
+
+def bf16(a, sa, b, sb, h, lb):
+    """cuBLAS's bf16 GEMM at the same shape: the reference (the operands cast once, before the timed calls)."""
+    if (key := (a.data_ptr(), b.data_ptr())) not in _in_bf16:
+        _in_bf16[key] = a.to(torch.bfloat16), b.to(torch.bfloat16)
+    a16, b16 = _in_bf16[key]
+    return a16 @ b16.t()
+
+
+VARIANTS = {"bf16-cublas": bf16, "fp8-cublas": fp8, "int_mm": lambda a, sa, b, sb, h, lb: torch._int_mm(a, b.t()),
             "int8-loads": op(False, False), "int8-loads-lora": op(False, True),
             "int8-tma": op(True, False), "int8-tma-lora": op(True, True),
             "weight-transpose": lambda a, sa, b, sb, h, lb: b.t().contiguous(),
