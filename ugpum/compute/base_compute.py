@@ -74,6 +74,8 @@ def _matmul(a: torch.Tensor, sa: torch.Tensor, b_t: torch.Tensor, sb: torch.Tens
             h, b, scale = lora
             y = y + (h.float() @ b.float().t()) * scale
         return y.to(out_dtype)
+    if lora is None:                     # (a mode whose kernel never takes the LoRA may leave `lora` out)
+        return mode.matmul(a, sa, b_t, sb, out_dtype)
     return mode.matmul(a, sa, b_t, sb, out_dtype, lora)
 
 
