@@ -20,6 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.attention_backends import time_ms  # noqa: E402
 from ugpum.compute.kernels import cdiv, int8_matmul  # noqa: E402
+from ugpum.formats.atomic import append_line  # noqa: E402
 
 # (M, N, K): calls a step
 SHAPES = {(4608, 36864, 4096): 48, (4608, 4096, 36864): 24, (4608, 4096, 16384): 24, (4608, 16384, 4096): 24,
@@ -40,6 +41,16 @@ def operands(m, n, k):
     return a, sa, b, sb, h, lb
 
 
+_casts: dict = {}
+
+
+def cast(a, b, dtype):
+    """a and b as dtype, cast once per operand pair (before the timed calls, which then time only the GEMM)."""
+    if (key := (a.data_ptr(), b.data_ptr(), dtype)) not in _casts:
+        _casts[key] = a.to(dtype), b.to(dtype)
+    return _casts[key]
+
+
 def fixed_tiles(tile, fp8_inputs=False, lora=False):
     """The TMA kernel with these tiles (no autotuning), on the int8 operands or on them as fp8 e4m3."""
     from ugpum.compute.kernels import triton_kernels as k
@@ -47,7 +58,7 @@ def fixed_tiles(tile, fp8_inputs=False, lora=False):
 
     def run(a, sa, b, sb, h, lb):
         if fp8_inputs:
-            a, b = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
+            a, b = cast(a, b, torch.float8_e4m3fn)
         (m, kk), n = a.shape, b.shape[0]
         c = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
         k.int8_scaled_mm_tma.fn[(cdiv(m, bm) * cdiv(n, bn),)](
@@ -65,18 +76,13 @@ def op(descriptors: bool, lora: bool):
 
 
 def fp8(a, sa, b, sb, h, lb):
-    return torch._scaled_mm(a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t(), scale_a=sa,
-                            scale_b=sb.reshape(1, -1), out_dtype=torch.bfloat16)
-
-
-_in_bf16: dict = {}
+    a8, b8 = cast(a, b, torch.float8_e4m3fn)
+    return torch._scaled_mm(a8, b8.t(), scale_a=sa, scale_b=sb.reshape(1, -1), out_dtype=torch.bfloat16)
 
 
 def bf16(a, sa, b, sb, h, lb):
-    """cuBLAS's bf16 GEMM at the same shape: the reference (the operands cast once, before the timed calls)."""
-    if (key := (a.data_ptr(), b.data_ptr())) not in _in_bf16:
-        _in_bf16[key] = a.to(torch.bfloat16), b.to(torch.bfloat16)
-    a16, b16 = _in_bf16[key]
+    """cuBLAS's bf16 GEMM at the same shape: the reference."""
+    a16, b16 = cast(a, b, torch.bfloat16)
     return a16 @ b16.t()
 
 
@@ -118,8 +124,7 @@ def main(argv=None) -> int:
             flop = sum(2 * m * n * k * calls for (m, n, k), calls in SHAPES.items())
             row.update(ms_per_step=round(ms, 2), tops=round(flop / ms / 1e9, 1), ms_per_shape=per_shape)
         print(json.dumps({k: v for k, v in row.items() if k != "ms_per_shape"}), flush=True)
-        with open(a.rows, "a") as f:
-            f.write(json.dumps(row) + "\n")
+        append_line(a.rows, json.dumps(row))
     return 0
 
 
