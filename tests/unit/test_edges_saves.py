@@ -4,9 +4,12 @@ killed but not yet reaped (or whose number is reused), names of 255 bytes, an op
 rank, checkpoints holding NaN. Real files and processes throughout."""
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -24,6 +27,7 @@ from ugpum.compute.lora import attach_lora
 from ugpum.train.run.checkpoint import (CheckpointError, check_same_run, latest_checkpoint, load_checkpoint,
                                     remove_leftovers, save_checkpoint)
 from ugpum.train.run.lock import LOCK_NAME, RunLock, RunLocked, hold_run_folder
+from ugpum.train.stopping import Stopped, stop_on_sigterm, uninterrupted
 
 
 @pytest.fixture
@@ -160,6 +164,23 @@ def test_one_run_at_a_time_and_a_killed_runs_lock_is_taken_over(tmp_path):
     with hold_run_folder(out, said.append) as lock:
         assert lock.taken_over["pid"] == 999999999
     assert said and "took over the lock a run that ended without releasing it left" in said[0]
+
+
+def test_a_sigterm_while_the_lock_is_taken_stops_the_run_once_it_is_held_and_leaves_no_lock(tmp_path):
+    # (the run's own order, ugpum/train/loop.py: a stop that came mid-acquire left the lock file and said nothing)
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signal handlers exist only in the main thread")
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / LOCK_NAME).write_text('{"pid": 999999999, "host": "h", "started": 0}')   # so taking it logs a line
+    held_when_stopped = []
+    with pytest.raises(Stopped), contextlib.ExitStack() as held:
+        held.enter_context(stop_on_sigterm())
+        with uninterrupted():
+            lock = held.enter_context(hold_run_folder(out, lambda _line: os.kill(os.getpid(), signal.SIGTERM)))
+            held_when_stopped.append((out / LOCK_NAME).is_file() and lock.taken_over is not None)
+    assert held_when_stopped == [True]          # the block went on to hold the lock; the stop came after it
+    assert not (out / LOCK_NAME).exists()       # and the stack that held it let it go
 
 
 def model_file(path: Path, value: float) -> Path:

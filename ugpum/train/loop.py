@@ -37,7 +37,7 @@ from .run.folder import OpenedRun, earlier_run, keep_metrics_until, open_run  # 
 from .run.lock import hold_run_folder
 from .samples import Samples
 from .stepper import OneProcessStepper
-from .stopping import Stop, stop_on_sigterm, stopped_note
+from .stopping import Stop, stop_on_sigterm, stopped_note, uninterrupted
 
 
 @dataclass
@@ -92,10 +92,11 @@ def train(cfg: TrainConfig, out: str | Path, model: torch.nn.Module, encoders, k
     hooks["log"] = hooks.get("log") or print_plain
     out, stepper, log = Path(out), stepper or OneProcessStepper(plan), hooks["log"]
     with contextlib.ExitStack() as held:
-        if stepper.lead:
-            held.enter_context(hold_run_folder(out, log))
         held.enter_context(stop_on_sigterm())
         try:
+            if stepper.lead:
+                with uninterrupted():                    # a stop as the lock is taken: lock released, said
+                    held.enter_context(hold_run_folder(out, log))
             return _train(cfg, spec or get_spec(cfg.model), out, model, encoders, key_prefix, resume, overwrite,
                           stepper, inputs, hooks)
         except KeyboardInterrupt as why:                 # before or between the steps' own saves

@@ -91,23 +91,43 @@ def interruption(signum: int) -> KeyboardInterrupt:
 
 
 @contextlib.contextmanager
-def saving(log, at: int, stopping: bool = False):
-    """Hold Ctrl-C and SIGTERM (and `request_stop`) back while the block writes the save of step `at`. A
-    stop that came meanwhile stops the run once the save is complete (its Stop says so), unless the run is
-    `stopping` already (then it is noted)."""
+def _held_back(on_hold=None):
+    """Ctrl-C and SIGTERM (and `request_stop`) held back for the block; yields the signals that came."""
     held: list[int] = []
 
     def hold(signum, _frame):
         held.append(signum)
-        log(f"{signal.Signals(signum).name}: finishing the save first, then stopping")
+        if on_hold is not None:
+            on_hold(signum)
     _saves.append(held)
     try:
         with signals_handled(hold):
-            yield
+            yield held
     finally:
         _saves.remove(held)
+
+
+@contextlib.contextmanager
+def saving(log, at: int, stopping: bool = False):
+    """Hold Ctrl-C and SIGTERM (and `request_stop`) back while the block writes the save of step `at`. A
+    stop that came meanwhile stops the run once the save is complete (its Stop says so), unless the run is
+    `stopping` already (then it is noted)."""
+    def said(signum):
+        log(f"{signal.Signals(signum).name}: finishing the save first, then stopping")
+    with _held_back(said) as held:
+        yield
     if held and not stopping:
         Stop(interruption(held[0]), saved=at).throw()      # the save is complete: nothing of it is done again
+
+
+@contextlib.contextmanager
+def uninterrupted():
+    """A stop that comes during the block (taking the run folder's lock) is raised once the block is
+    done, so that what the block set up is in place to be undone."""
+    with _held_back() as held:
+        yield
+    if held:
+        raise interruption(held[0])
 
 
 def stopped_note(out, resume: bool = False) -> str:
