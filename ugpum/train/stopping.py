@@ -73,7 +73,7 @@ def stop_on_sigterm():
         yield
 
 
-_saves: list[list[int]] = []          # the stops each save under way holds back (innermost last)
+_saves: list[list[int]] = []          # the stops each save (or lock being taken) holds back, innermost last
 
 
 def request_stop(signum: int) -> None:
