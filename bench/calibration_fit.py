@@ -4,8 +4,8 @@ writes, with what each block kept read off the allocator.
     python bench/calibration_fit.py [--write | --check]   # print (write, check) the coefficients, each row's error
 
 Where they go: the shared time coefficients into ugpum/planning/calibration.json, each family's into
-ugpum/arch/<family>/calibration.json; each 8-bit mode's compiled dense speeds are printed, for its file in
-ugpum/compute/modes/. Rows: bench/results/calibration_fit.jsonl (`bash bench/session.sh OUT fit`) and
+ugpum/arch/<family>/calibration.json; each 8-bit mode's compiled dense speeds and extra host memory are
+printed, for its file in ugpum/compute/modes/. Rows: bench/results/calibration_fit.jsonl (`bash bench/session.sh OUT fit`) and
 bench/results/calibration.json (`... cards`, `wan-cards`, `dev-card`: the planner's picks on cards).
 
 Memory, in units of the hidden state between two blocks (ArchSpec.boundary_bytes; for a row whose blocks were
@@ -37,7 +37,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from ugpum.planning import cost  # noqa: E402
 from ugpum.arch import FAMILIES, Workload, get_spec  # noqa: E402
-from ugpum.compute.modes import MODES  # noqa: E402
+from ugpum.compute.modes import MODES, mode_named  # noqa: E402
 from support import recorded_forecasts  # noqa: E402
 # a row's workload, its hidden-state size and its kept blocks, read as the test holding the planner reads them
 from support.recorded_forecasts import kept_blocks, unit_bytes as measured_unit, workload  # noqa: E402
@@ -99,16 +99,24 @@ def allocator_units(rows: list[dict]) -> dict:
     return {family: round(max(v), 2) for family, v in found.items()}
 
 
-def host_table(rows: list[dict]) -> dict:
-    """family -> GiB the process held at its peak beyond the pinned copies of its swapped blocks: the median
-    of the family's rows (klein 9B's alone spread 2.07-2.55 GiB over modes and recompute settings, and one
-    Wan run on a 16 GiB card held 1.1 GiB more than its others: the middle holds every row nearest)."""
-    found: dict = {}
+def host_table(rows: list[dict]) -> tuple[dict, dict]:
+    """(family -> GiB the process held at its peak beyond the pinned copies of its swapped blocks, mode -> GiB its
+    runs held beyond that): the family's figure is the median of its rows less their modes' figures (klein 9B's
+    alone spread 2.07-2.58 GiB over the exact base and fp8, and one Wan run on a 16 GiB card held 1.1 GiB more
+    than its others: the middle holds every row nearest); a quantising mode's, the median of its rows less their
+    families' (int8's runs held 0.2-0.5 GiB more than bf16's and fp8's in the same calls). Solved in turns."""
+    held = []
     for row in rows:
         spec, w = get_spec(row["model"]), workload(row)
         pinned = sum(cost.block_weight_bytes(spec.blocks[i], w) for i in row["offloaded_blocks"])
-        found.setdefault(spec.family, []).append(row["host_peak_gib"] - pinned / GIB)
-    return {family: round(statistics.median(v), 2) for family, v in found.items()}
+        held.append((spec.family, row["base_compute"], row["host_peak_gib"] - pinned / GIB))
+    extra = dict.fromkeys({mode for _, mode, _ in held}, 0.0)
+    for _ in range(8):
+        family = {f: statistics.median(g - extra[m] for f2, m, g in held if f2 == f) for f, _, _ in held}
+        extra = {mode: statistics.median(g - family[f] for f, m, g in held if m == mode)
+                 if mode_named(mode).quantises else 0.0 for mode in extra}
+    return ({f: round(v, 2) for f, v in family.items()},
+            {m.name: round(extra.get(m.name, m.extra_host_gib), 2) for m in MODES})
 
 
 def memory_table(rows: list[dict]) -> dict:
@@ -154,9 +162,19 @@ TIME_COEFFICIENTS = [
 ]
 
 
-def _set_time(values) -> None:
-    """Put trial coefficients where cost.block_seconds reads them."""
-    for (name, where, *_), value in zip(TIME_COEFFICIENTS, values):
+def tied_modes(rows: list[dict]) -> dict:
+    """mode -> the mode whose backward/forward speed ratio it takes: a quantising mode none of whose rows keeps a
+    block's activations (every row recomputes every block) measures one speed, not its forward and backward apart
+    (int8's rows with its Triton GEMM fit anything from 1.91x forward and 0.90x backward to 1.31x and 1.50x
+    within 1.6 %); it then takes the ratio of a mode whose rows do separate them."""
+    keeps = {r["base_compute"] for r in rows if kept_blocks(r, get_spec(r["model"]), workload(r))}
+    measured = [m for m in MODES if m.quantises and m.name in keeps]
+    return {m: measured[0] for m in MODES if m.quantises and m.name not in keeps and measured}
+
+
+def _set_time(coefficients, values, tied: dict) -> None:
+    """Put trial coefficients where cost.block_seconds reads them; a tied mode's backward at its model's ratio."""
+    for (name, where, *_), value in zip(coefficients, values):
         if where[0] == "shared":
             cost.CALIBRATION["time"][name] = float(value)
         elif where[0] == "mode":
@@ -165,20 +183,33 @@ def _set_time(values) -> None:
             where[1].dense_speed = {**where[1].dense_speed, "compiled": tuple(speeds)}
         else:
             where[1].calibration["efficiency"] = float(value)
+    for mode, model in tied.items():
+        forward, backward = model.dense_speed["compiled"]
+        speed = mode.dense_speed["compiled"][0]
+        mode.dense_speed = {**mode.dense_speed, "compiled": (speed, round(speed * backward / forward, 4))}
 
 
 def time_table(rows: list[dict]) -> dict:
-    """The time coefficients fitted to `rows` (scipy's bounded least squares on the relative errors)."""
+    """The time coefficients fitted to `rows` (scipy's bounded least squares on the relative errors): first every
+    one but the tied modes' to the other modes' rows, then each tied mode's one speed to its own rows."""
     from scipy.optimize import least_squares
-    timed = [r for r in rows if r["s_per_step"]]
-    lower, upper, start = zip(*((lo, hi, x0) for _, _, lo, hi, x0 in TIME_COEFFICIENTS))
+    tied = tied_modes(rows)
+    coefficients = [c for c in TIME_COEFFICIENTS if not (c[1][0] == "mode" and c[1][1] in tied)]
+    fitted = {}
+    for free, timed in ((coefficients, [r for r in rows if mode_named(r["base_compute"]) not in tied]),
+                        *(([c for c in TIME_COEFFICIENTS if c[1][:3] == ("mode", m, 0)],
+                           [r for r in rows if r["base_compute"] == m.name]) for m in tied)):
+        lower, upper, start = zip(*((lo, hi, x0) for _, _, lo, hi, x0 in free))
 
-    def errors(values):
-        _set_time(values)
-        return [recorded_forecasts.compare(r)["s_error"] for r in timed]
-    values = [round(float(v), 4) for v in least_squares(errors, start, bounds=(lower, upper), diff_step=1e-3).x]
-    _set_time(values)
-    return {name: v for (name, *_), v in zip(TIME_COEFFICIENTS, values)}
+        def errors(values):
+            _set_time(free, values, tied)
+            return [recorded_forecasts.compare(r)["s_error"] for r in timed]
+        values = [round(float(v), 4) for v in least_squares(errors, start, bounds=(lower, upper), diff_step=1e-3).x]
+        _set_time(free, values, tied)
+        fitted.update((name, v) for (name, *_), v in zip(free, values))
+    for mode, model in tied.items():
+        print(f"{mode.name}'s rows all recompute every block: its backward takes {model.name}'s ratio to its forward")
+    return fitted
 
 
 def calibration_file(family) -> Path:
@@ -193,12 +224,14 @@ def main(argv=None) -> int:
     p.add_argument("--check", action="store_true", help="exit 1 where what the planner reads is not this fit")
     a = p.parse_args(argv)
     held = {"shared": cost.CALIBRATION["time"], **{f.name: dict(f.calibration) for f in FAMILIES},
-            **{m.name: m.dense_speed["compiled"] for m in MODES}}
+            **{m.name: (m.dense_speed["compiled"], m.extra_host_gib) for m in MODES}}
     rows = [json.loads(line) for name in a.rows if Path(name).exists()
             for line in Path(name).read_text().splitlines() if line.strip()]
-    fitted = [r for r in rows if r.get("block_kept_mib")]
+    fitted = [r for r in rows if r.get("block_kept_mib") and recorded_forecasts.held_to(r)]
     runs = sorted({f"{r['gpu']}, torch {r['torch']}" for r in fitted})
-    memory, host = memory_table(fitted), host_table(fitted)
+    memory, (host, extra_host) = memory_table(fitted), host_table(fitted)
+    for m in MODES:
+        m.extra_host_gib = extra_host[m.name]
     families = [f for f in FAMILIES if f.name in memory]      # (one no row measured keeps its own)
     for family in families:
         family.calibration.update(runs=runs, memory=memory[family.name], allocator=memory["allocator"][family.name],
@@ -210,11 +243,11 @@ def main(argv=None) -> int:
               "time": {name: time[name] for name, where, *_ in TIME_COEFFICIENTS if where == ("shared",)}}
     cost.CALIBRATION = shared
     print(json.dumps({"shared": shared, **{f.name: f.calibration for f in families}}, indent=1))
-    print("compiled dense speeds (forward, backward) of each mode, for its file in ugpum/compute/modes/:",
-          {m.name: m.dense_speed["compiled"] for m in MODES})
+    print("each mode's compiled dense speeds (forward, backward) and extra host GiB, for its file in "
+          "ugpum/compute/modes/:", {m.name: (m.dense_speed["compiled"], m.extra_host_gib) for m in MODES})
     print("\n".join(recorded_forecasts.table()))
     now = {"shared": shared["time"], **{f.name: dict(f.calibration) for f in FAMILIES},
-              **{m.name: m.dense_speed["compiled"] for m in MODES}}
+           **{m.name: (m.dense_speed["compiled"], m.extra_host_gib) for m in MODES}}
     if a.check and now != held:
         print("the planner reads other coefficients:", {k: (held[k], v) for k, v in now.items() if held[k] != v})
         return 1

@@ -30,13 +30,19 @@ HOST_LIMIT = 0.12
 H100_HOST_GBPS = 50.0           # (a row without its probe's reading: the H100's pinned copies, PCIe 5 x16)
 
 
+def held_to(row: dict) -> bool:
+    """Whether the planner is held to a recorded run: it trained, and what it ran is what runs now (a row marked
+    `superseded` measured a path no run takes any more, and says which)."""
+    return row.get("rc") == 0 and bool(row.get("s_per_step")) and not row.get("superseded")
+
+
 def rows() -> list[dict]:
-    """Every recorded run that trained, with what it measured."""
+    """Every recorded run the planner is held to, with what it measured."""
     found = []
     for path in FILES:
         if path.exists():
             found += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r for r in found if r.get("rc") == 0 and r.get("s_per_step")]
+    return [r for r in found if held_to(r)]
 
 
 def workload(row: dict) -> Workload:
@@ -77,7 +83,7 @@ def compare(row: dict) -> dict:
     activations = memory["activations"] + memory["allocator"]
     reserved = (sum(memory.values()) - activations + activations * scale) / GIB
     seconds = costs.seconds(0, 0, n, offloaded, kept)
-    host = cost.host_bytes(spec, sum(costs.weight[i] for i in offloaded)) / GIB
+    host = cost.host_bytes(spec, w.base_compute, sum(costs.weight[i] for i in offloaded)) / GIB
     return dict(label=row["label"], kept=len(kept), swapped=len(offloaded),
                 reserved=row["peak_reserved_gib"], forecast_gib=round(reserved, 3),
                 gib_error=round(reserved / row["peak_reserved_gib"] - 1, 4),

@@ -97,14 +97,16 @@ def test_refusals_are_one_sentence():
 
 def test_the_planner_forecasts_each_mode_from_the_h200_measurements():
     """Forecast s/step on the H200 preset for klein 9B at 1024², per mode, within 15 % of the steps
-    bench/speed.py measured (bench/results/speed.md), and 8-bit holds the base at 1 byte a weight."""
+    bench/speed.py measured (bench/results/speed.md), and 8-bit holds the base at 1 byte a weight. (Its int8
+    step ran torch._int_mm, which no run takes any more: int8's forecast is held to the Triton GEMM's H100 rows in
+    tests/unit/test_calibration.py.)"""
     from ugpum.arch import get_spec
     from ugpum.planning.devices import resolve_devices
     from ugpum.planning.plan import plan_training
     from ugpum.train.config import TrainConfig
     spec = get_spec("flux2-klein-9b")
     devices = resolve_devices(["h200"], spec)
-    measured = {("off", "bf16"): 0.6085, ("on", "bf16"): 0.4677, ("on", "fp8"): 0.3667, ("on", "int8"): 0.4572}
+    measured = {("off", "bf16"): 0.6085, ("on", "bf16"): 0.4677, ("on", "fp8"): 0.3667}
     eager = plan_training(spec, devices, TrainConfig(model=spec.id, compile="off").workload())
     for (compiled, mode), seconds in measured.items():
         plan = plan_training(spec, devices, TrainConfig(model=spec.id, compile=compiled, base_compute=mode).workload())
@@ -112,8 +114,9 @@ def test_the_planner_forecasts_each_mode_from_the_h200_measurements():
         # ratio to the eager bf16 step is what must hold
         ratio = plan.predicted_step_s / eager.predicted_step_s
         assert abs(ratio / (seconds / measured[("off", "bf16")]) - 1) < 0.15, (compiled, mode, ratio)
-        if mode != "bf16":
-            assert plan.stages[0].detail_gib["weights"] < 0.6 * eager.stages[0].detail_gib["weights"]
+    for mode in ("fp8", "int8"):
+        plan = plan_training(spec, devices, TrainConfig(model=spec.id, base_compute=mode).workload())
+        assert plan.stages[0].detail_gib["weights"] < 0.6 * eager.stages[0].detail_gib["weights"]
 
 
 def _tiny_file(tmp_path, comfy):

@@ -153,11 +153,12 @@ def allocator_bytes(spec: ArchSpec, w: Workload) -> float:
     return family_rows(spec)["allocator"] * spec.boundary_bytes(w)
 
 
-def host_bytes(spec: ArchSpec, pinned: float) -> float:
+def host_bytes(spec: ArchSpec, base_compute: str, pinned: float) -> float:
     """The training process's peak resident host memory: what it holds for this family with every weight
     streamed from its file (Python, torch, ComfyUI's classes, the cached latents and captions, the loader's
-    buffers; measured), plus the pinned host copies of the swapped blocks."""
-    return family_rows(spec)["host_gib"] * GIB + pinned
+    buffers; measured), what runs in this base-compute mode held beyond that (measured), plus the pinned host
+    copies of the swapped blocks."""
+    return (family_rows(spec)["host_gib"] + mode_named(base_compute).extra_host_gib) * GIB + pinned
 
 
 def lora_bytes(block: BlockSpec, w: Workload) -> int:

@@ -423,7 +423,7 @@ def _solve(spec: ArchSpec, devices: list[Device], w: Workload, grad_accum: int, 
     on_host = [sum(ev.on_host[i] for i in range(*s.blocks) if i not in s.kept_activations) for s in stages]
     pinned = sum(ev.weight[i] for i in offloaded) + ev.in_flight * sum(on_host)
     return Layout(stages=stages, offloaded_blocks=offloaded, boundary_mib=round(ev.hidden / MIB, 2),
-                  forecast_host_gib=round(cost.host_bytes(spec, pinned) / GIB, 2),
+                  forecast_host_gib=round(cost.host_bytes(spec, w.base_compute, pinned) / GIB, 2),
                   crossing_bytes_per_step=per_mb_crossing * grad_accum + shared,
                   swap_bytes_per_step=2 * sum(ev.weight[i] for i in offloaded) * grad_accum,
                   step_s=step_s, predicted_step_s=predicted,

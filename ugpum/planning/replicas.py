@@ -110,7 +110,10 @@ def pinned_bytes(spec, plans, how: str) -> list[int]:
 
 def host_gib(spec, plans, how: str) -> float:
     """The host memory the replicas need at their peak, over every process they run in."""
-    return round(sum(cost.host_bytes(spec, pinned) for pinned in pinned_bytes(spec, plans, how)) / cost.GIB, 2)
+    modes = [[p.base_compute] for p in plans] if how != "one process" else [[p.base_compute for p in plans]]
+    held = [max(cost.host_bytes(spec, mode, pinned) for mode in process)
+            for process, pinned in zip(modes, pinned_bytes(spec, plans, how))]
+    return round(sum(held) / cost.GIB, 2)
 
 
 def assumed(spec, w, plans, groups: list[list[Device]], how: str) -> list[str]:

@@ -27,6 +27,9 @@ class ComputeMode:
     dense_speed: dict[str, tuple[float, float]] = {"compiled": (1.0, 1.0), "eager": (1.0, 1.0)}
     speed_measured_on: dict[str, str] = {}   # per dense_speed key: the GPU (a name's words) it was measured on
     gradient_cosine: float | None = None
+    # Host memory its runs held beyond the exact base's, GiB (measured: bench/calibration_fit.py); the planner adds
+    # it to the family's figure.
+    extra_host_gib: float = 0.0
     # The CUDA compute capability its kernels need, or None: it runs on any device. base_compute = auto
     # weighs only modes with tensor-core kernels (a capability), for their speed.
     min_capability: tuple[int, int] | None = None
