@@ -279,6 +279,7 @@ EXPERIMENTS = {
         "ugpum.planning.plan", "KEEP_ATTENTION", False),     # the LoRA in the int8 GEMM; a recompute of all
     **{name: ("ugpum.compute.kernels", "ON_BY_DEFAULT", (name,)) for name in kernels.KERNELS},   # that one alone
     "fp8-lora-epilogue": ("ugpum.compute.kernels", "ON_BY_DEFAULT", (*kernels.ON_BY_DEFAULT, "fp8-lora-epilogue")),
+    "step-read-at-once": ("ugpum.train.loop", "skips_on_device", lambda optimizer: False),   # each step read as it ends
     **{f"torchao-{r}": ("ugpum.train.prepare", "use_base_compute", torchao_base(r)) for r in ("float8", "int8")},
 }
 

@@ -208,15 +208,42 @@ def test_a_step_reads_the_device_once_however_many_lora_modules_and_micro_batche
 
 
 def test_a_steps_first_inputs_are_made_before_the_step_before_waits_for_the_device(tmp_path, monkeypatch):
-    """The loop asks for the next step's first micro-batch before the step's one host sync (`check_step`), so the
-    host draws its noise and sends it to the GPU while the GPU still runs the step; the step then takes those
-    inputs instead of making them again."""
-    from ugpum.train import loop, stepper
-    events, make, check = [], stepper.micro_batch_inputs, loop.check_step
+    """The loop asks for the next step's first micro-batch before it waits for the device, so the host draws its
+    noise and sends it to the GPU while the GPU still runs the step; the step then takes those inputs instead of
+    making them again. With the fused AdamW a step is read only once the next one is under way (its micro-batches
+    made and sent): the host never makes the GPU wait between steps. The last step is read at once."""
+    from ugpum.train import divergence, loop, stepper
+    events, make, read = [], stepper.micro_batch_inputs, divergence.StepReading.read
     monkeypatch.setattr(stepper, "micro_batch_inputs", lambda *a, **kw: events.append(f"made {a[4]}") or make(*a, **kw))
-    monkeypatch.setattr(loop, "check_step", lambda step, *a: events.append(f"sync {step}") or check(step, *a))
+    monkeypatch.setattr(divergence.StepReading, "read", lambda self: events.append(f"read {self.step}") or read(self))
     train(cfg(steps=3, grad_accum=2, save_every=0), tmp_path, **QUIET)
-    assert events == ["made 0", "made 1", "made 2", "sync 1", "made 3", "made 4", "sync 2", "made 5", "sync 3"]
+    assert events == ["made 0", "made 1", "made 2", "made 3", "made 4", "read 1", "made 5", "read 2", "read 3"]
+    assert loop.skips_on_device(loop.make_optimizer(cfg(), [torch.nn.Parameter(torch.ones(1))]))
+
+
+def test_a_step_that_is_not_finite_leaves_the_lora_of_the_step_before_though_it_is_read_late(tmp_path, monkeypatch):
+    """Step 3's loss turns NaN. Its values are read while step 4 runs, so the fused AdamW was told on the device to
+    skip it: the run stops naming step 3, and what it keeps (the LoRA and checkpoint of step 2, the metrics of
+    steps 1 and 2) is bit for bit what a run of 2 steps keeps."""
+    from ugpum.train import stepper
+    from ugpum.train.divergence import NonFiniteStep
+    clean = train(cfg(steps=2, save_every=0), tmp_path / "clean", **QUIET)
+    calls, loss_at = [0], stepper.loss_at
+
+    def third_is_nan(*args, **kwargs):
+        calls[0] += 1
+        loss = loss_at(*args, **kwargs)
+        return loss * float("nan") if calls[0] == 3 else loss
+    monkeypatch.setattr(stepper, "loss_at", third_is_nan)
+    with pytest.raises(NonFiniteStep, match="step 3: the loss is nan, so the run stopped before applying it") as caught:
+        train(cfg(steps=5, save_every=0), tmp_path / "nan", **QUIET)
+    assert calls[0] == 4                            # step 4's forward and backward ran before step 3 was read
+    assert Stop.of(caught.value).saved == 2
+    kept, want = lora_tensors(tmp_path / "nan" / "ugpum_lora_step2.safetensors"), lora_tensors(clean.lora_path)
+    assert kept.keys() == want.keys() and all(torch.equal(kept[k], want[k]) for k in want)
+    assert latest_checkpoint(tmp_path / "nan").name == "step_000002"
+    steps = [json.loads(line)["step"] for line in (tmp_path / "nan" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2]
 
 
 def test_second_run_hits_the_cache(tmp_path):

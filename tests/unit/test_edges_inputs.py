@@ -23,7 +23,7 @@ from ugpum.train.cache import dataset_hash
 from ugpum.train.config import ConfigError, TrainConfig, load_config
 from ugpum.train.dataset import DatasetError, load_image_folder, read_caption
 from ugpum.train.pictures import IMAGE_EXTENSIONS, image_size, open_rgb
-from ugpum.train.divergence import NonFiniteStep, check_step, clip_with_norm
+from ugpum.train.divergence import NonFiniteStep, StepReading, clip_with_norm, skips_on_device
 
 REPO = Path(__file__).resolve().parents[2]
 LORANNE = REPO / "demo_datasets" / "loranne"
@@ -105,32 +105,54 @@ def test_a_non_finite_step_stops_naming_it_before_the_optimizer_applies_it():
     p = nn.Parameter(torch.ones(3))
     (p * torch.tensor([1.0, float("inf"), 1.0])).sum().backward()          # a finite loss, an infinite gradient
     with pytest.raises(NonFiniteStep) as caught:
-        check_step(7, 3.0, [p], cfg)
+        StepReading(7, 3.0, [p], cfg)
     assert str(caught.value).startswith("step 7: the gradients' norm is inf, so the run stopped before applying it "
                                         "(the LoRA stays as step 6 left it)")
     assert "turn gradient clipping on" in str(caught.value)
     with pytest.raises(NonFiniteStep, match="step 1: the loss is nan"):
-        check_step(1, float("nan"), [], cfg)
+        StepReading(1, float("nan"), [], cfg)
     p.grad = torch.ones(3)
-    check_step(2, 1.0, [p], cfg)                                  # finite: nothing said
+    assert StepReading(2, 1.0, [p], cfg).read() == 1.0                # finite: nothing said
+
+
+def test_a_step_read_late_is_skipped_by_the_optimizer_where_it_is_not_finite():
+    """Read while the next step runs, a step's values cannot stop the optimizer before it applies them: the fused
+    AdamW is told on the device to skip a step that is not finite (its parameters, moments and step count stay),
+    and reading the step later says so; a finite step is applied as ever."""
+    cfg = SimpleNamespace(max_grad_norm=1.0, lr=1e-2)
+    p = nn.Parameter(torch.ones(3))
+    fused, plain = torch.optim.AdamW([p], lr=0.1, fused=True), torch.optim.AdamW([nn.Parameter(torch.ones(1))])
+    assert skips_on_device(fused) and not skips_on_device(plain)
+    p.grad = torch.full((3,), 2.0)
+    good = StepReading(1, [torch.tensor(0.25), torch.tensor(0.5)], [p], cfg, skip_on_device=fused)
+    fused.step()
+    after_one = (p.detach().clone(), {k: v.clone() for k, v in fused.state[p].items()})
+    assert good.read() == 0.75 and not torch.equal(after_one[0], torch.ones(3))
+    p.grad = torch.tensor([1.0, float("nan"), 1.0])
+    bad = StepReading(2, [torch.tensor(0.5)], [p], cfg, skip_on_device=fused)     # (nothing raised yet)
+    fused.step()
+    assert torch.equal(p.detach(), after_one[0])
+    assert all(torch.equal(fused.state[p][k], v) for k, v in after_one[1].items())
+    with pytest.raises(NonFiniteStep, match=r"step 2: the gradients' norm is nan, so the run stopped before"):
+        bad.read()
 
 
 def test_clipping_with_the_checked_norm_scales_as_clip_grad_norm_does():
-    """The loop clips with the norm `check_step` measured (`clip_with_norm`), not a second pass over the gradients:
-    the same gradients as torch's clip_grad_norm_, bit for bit."""
+    """The loop clips with the norm `StepReading` measured (`clip_with_norm`), not a second pass over the
+    gradients: the same gradients as torch's clip_grad_norm_, bit for bit."""
     cfg = SimpleNamespace(max_grad_norm=1.0, lr=1e-2)
     g = torch.Generator().manual_seed(0)
     grads = [torch.randn(5, 3, generator=g) * 4, torch.randn(7, generator=g)]
     ours, torchs = ([nn.Parameter(torch.zeros_like(t)) for t in grads] for _ in range(2))
     for p, q, t in zip(ours, torchs, grads):
         p.grad, q.grad = t.clone(), t.clone()
-    loss, norm = check_step(3, 2.0, ours, cfg)
-    assert loss == 2.0 and float(norm) > 1.0                        # (large enough to be clipped)
-    clip_with_norm(ours, 1.0, norm)
+    reading = StepReading(3, 2.0, ours, cfg)
+    assert reading.read() == 2.0 and float(reading.norm) > 1.0        # (large enough to be clipped)
+    clip_with_norm(ours, 1.0, reading.norm)
     torch.nn.utils.clip_grad_norm_(torchs, 1.0)
     for p, q in zip(ours, torchs):
         assert torch.equal(p.grad, q.grad)
-    assert check_step(4, 1.0, [], cfg) == (1.0, None)
+    assert StepReading(4, 1.0, [], cfg).norm is None
     clip_with_norm([], 1.0, None)                                   # no gradients: nothing to do
 
 

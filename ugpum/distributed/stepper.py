@@ -127,6 +127,7 @@ class TorchrunRankStepper:
         self.make_encoders = make_encoders
         self.lead = top.rank == 0
         self.can_sample = False    # the model is spread over ranks
+        self.defers_readings = False   # every rank agrees on each step's loss and stop as it ends
         self.name = "a distributed run"
         self.devices = [str(top.device)] if top.device.type == "cuda" else []
         self.flags = _Flags()

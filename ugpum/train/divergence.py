@@ -21,14 +21,8 @@ def _total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g).to(first) for g in grads]))
 
 
-def _read(values: list[torch.Tensor]) -> list[float]:
-    """One-value tensors on any devices, read in one host sync (`float(t)` waits for the device each time)."""
-    first = values[0].device
-    return torch.stack([v.detach().reshape(()).to(first, torch.float64) for v in values]).tolist()   # (exact)
-
-
 def clip_with_norm(params: list[torch.nn.Parameter], max_norm: float, norm: torch.Tensor | None) -> None:
-    """`torch.nn.utils.clip_grad_norm_(params, max_norm)` with their joint norm already measured (`check_step`'s):
+    """`torch.nn.utils.clip_grad_norm_(params, max_norm)` with their joint norm already measured (`StepReading`'s):
     the same scaling, without a second pass over every gradient."""
     if norm is None:
         return                                   # (no gradients)
@@ -38,22 +32,53 @@ def clip_with_norm(params: list[torch.nn.Parameter], max_norm: float, norm: torc
         torch.nn.utils.clip_grad_norm_(params, max_norm)
 
 
-def check_step(step: int, loss: float | list[torch.Tensor], params: list[torch.nn.Parameter],
-               cfg) -> tuple[float, torch.Tensor | None]:
-    """Raise NonFiniteStep for step `step` (counted from 1) when its loss or its gradients are not finite;
-    else (the step's loss, the gradients' joint norm on their device, None without gradients: `clip_with_norm`
-    takes it). `loss`: a number, or the micro-batches' losses as tensors, summed in order once read: they and
-    the gradients' norm are read together, the step's one host sync."""
-    grads = [p.grad for p in params if p.grad is not None]
-    losses = loss if isinstance(loss, list) else []
-    norm_tensor = _total_norm(grads) if grads else None
-    *parts, norm = _read([*losses, norm_tensor if norm_tensor is not None else torch.zeros(())])
-    if isinstance(loss, list):
-        loss = sum(parts)
-    if math.isfinite(loss) and math.isfinite(norm):
-        return loss, norm_tensor
-    what = f"the loss is {loss}" if not math.isfinite(loss) else f"the gradients' norm is {norm}"
-    clip = "" if cfg.max_grad_norm else ", turn gradient clipping on (max_grad_norm = 1.0)"
-    raise NonFiniteStep(f"step {step}: {what}, so the run stopped before applying it (the LoRA stays as step "
-                        f"{step - 1} left it); training diverged or a training image or caption gives a bad "
-                        f"value: lower lr (now {cfg.lr:g}){clip}, then resume from the last checkpoint")
+class StepReading:
+    """Step `step`'s loss and its gradients' joint norm, measured on the device and read on the host in one sync.
+
+    `loss`: a number, or the micro-batches' losses as tensors, summed in order once read. With `skip_on_device` (an
+    optimizer that skips a step on the device where told to: `skips_on_device`), nothing waits for the device
+    here: the optimizer is told to skip this step where its values are not finite, and they travel to the host
+    while the next step runs, read by `read()`. Without it they are read now, and a step that is not finite
+    raises before the optimizer sees it."""
+
+    def __init__(self, step: int, loss: float | list[torch.Tensor], params: list[torch.nn.Parameter], cfg,
+                 skip_on_device: torch.optim.Optimizer | None = None):
+        grads = [p.grad for p in params if p.grad is not None]
+        self.step, self.cfg, self.number = step, cfg, None if isinstance(loss, list) else loss
+        self.norm = _total_norm(grads) if grads else None            # on the device: `clip_with_norm` takes it
+        parts = [*(loss if isinstance(loss, list) else []), self.norm if grads else torch.zeros(())]
+        values = torch.stack([v.detach().reshape(()).to(parts[0].device, torch.float64) for v in parts])  # (exact)
+        self.values, self.ready = values, None
+        if skip_on_device is None:
+            self.values = values.cpu()
+            self.read()
+            return
+        skip_on_device.found_inf = (~torch.isfinite(values).all()).float()
+        if values.is_cuda:                   # a copy the host can wait for alone, behind what is queued now
+            self.values = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            self.values.copy_(values, non_blocking=True)
+            self.ready = torch.cuda.Event()
+            self.ready.record()
+
+    def read(self) -> float:
+        """The step's loss, once the device has it; NonFiniteStep where the loss or the gradients are not finite
+        (then the optimizer did not apply the step)."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        *parts, norm = self.values.tolist()
+        loss = sum(parts) if self.number is None else self.number
+        if math.isfinite(loss) and math.isfinite(norm):
+            return loss
+        what = f"the loss is {loss}" if not math.isfinite(loss) else f"the gradients' norm is {norm}"
+        cfg, step = self.cfg, self.step
+        clip = "" if cfg.max_grad_norm else ", turn gradient clipping on (max_grad_norm = 1.0)"
+        raise NonFiniteStep(f"step {step}: {what}, so the run stopped before applying it (the LoRA stays as step "
+                            f"{step - 1} left it); training diverged or a training image or caption gives a bad "
+                            f"value: lower lr (now {cfg.lr:g}){clip}, then resume from the last checkpoint")
+
+
+def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer` skips a step on the device when its `found_inf` says so (torch's fused Adam and AdamW,
+    which GradScaler tells the same way), leaving its parameters, moments and step counts as they were."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and all(
+        group.get("fused") for group in optimizer.param_groups)

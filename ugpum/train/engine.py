@@ -42,6 +42,7 @@ class Stepper(Protocol):
     params: list[torch.nn.Parameter]       # the LoRA parameters this process trains (after `prepare`)
     model: torch.nn.Module                 # the model as `prepare` left it (samples render with it)
     devices: list[str]                     # the CUDA devices whose peak memory the run reports
+    defers_readings: bool                  # a step's loss may be read while the next one runs (`agree` does nothing)
 
     def share(self, begin: Callable[[], T]) -> T:
         """`begin()` run by the lead; its result, or its error, on every process of the run."""
@@ -66,7 +67,7 @@ class Stepper(Protocol):
                          ) -> float | list[torch.Tensor]:
         """Forward and backward of the step's micro-batches `ks`, the LoRA gradients summed in micro-batch
         order; this process's part of the step's loss (each micro-batch's mean loss / grad_accum): a number,
-        or those losses as tensors still on their devices, which `divergence.check_step` reads and sums."""
+        or those losses as tensors still on their devices, which `divergence.StepReading` reads and sums."""
 
     def prepare_inputs(self, k: int, features: Features, micro_batches: MicroBatches) -> None:
         """Make micro-batch k's inputs now, ahead of its step: the loop asks for the next step's first while the
@@ -74,7 +75,7 @@ class Stepper(Protocol):
 
     def clip(self, max_norm: float, norm: torch.Tensor | None) -> None:
         """Clip the gradients of the whole LoRA to `max_norm` (their norm over every process). `norm`: the norm of
-        this process's gradients as `divergence.check_step` measured it (a device tensor; None: no gradients),
+        this process's gradients as `divergence.StepReading` measured it (a device tensor; None: no gradients),
         the whole LoRA's where one process holds it all."""
 
     def agree(self, step: int, loss: float, due: bool) -> tuple[float, bool, Stop | None]:

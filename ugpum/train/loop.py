@@ -26,7 +26,7 @@ from ..planning.plan import Plan
 from ..wording import plain, setting
 from .batches import Features, MicroBatches, encode_features
 from .config import TrainConfig
-from .divergence import check_step
+from .divergence import NonFiniteStep, StepReading, skips_on_device
 from .engine import Stepper
 from .errors import RunExists, TrainingError  # noqa: F401 (the engine's errors, importable from here)
 from .objective import validation_picks
@@ -160,6 +160,9 @@ class RunState:
     lora: Path | None = None               # that save's LoRA
     refused: int | None = None             # the step whose save the system refused
     losses: list[float] = field(default_factory=list)
+    pending: tuple | None = None           # the applied step not read yet: (StepReading, its start, a save due, lr)
+    last_read: float = 0.0                 # when the step before it was read (time.monotonic)
+    progress: Progress | None = None
 
     def save(self, name: str, stopping: bool = False) -> Path | None:
         """A checkpoint and the LoRA at the current step (written by the lead)."""
@@ -223,6 +226,9 @@ class RunState:
         """The one way a run stops: Ctrl-C, SIGTERM, ComfyUI's Cancel, an error, or the stop every rank took
         together. Keep what the completed steps trained where the stepper can (not again when the error was
         this very save refused) and say what is kept, unless it was said; the Stop the run ends with."""
+        if self.pending is not None:                 # a step applied, not read: logged, or known skipped
+            with contextlib.suppress(Exception):      # (not finite: read_step stepped back to the step before)
+                self.read_step()
         told = stop.told
         if self.step > self.saved and self.stepper.can_save_after(stop.why) and self.refused != self.step:
             self.keep_completed_steps(say=not told)
@@ -243,15 +249,20 @@ class RunState:
             self.hooks.on_partial_lora(partial)
 
     def train_steps(self) -> None:
-        """The optimizer steps from the run's start to cfg.steps, with periodic saves and samples."""
+        """The optimizer steps from the run's start to cfg.steps, with periodic saves and samples. Where the engine
+        and the optimizer allow (`Stepper.defers_readings`, `divergence.skips_on_device`), a step's loss and
+        gradients' norm are read while the next step runs (the one host sync of a step then finds them there,
+        and the GPU never waits for the host between steps); before a save or a sample, and after the last step,
+        they are read at once."""
         cfg, stepper, optimizer, h = self.cfg, self.stepper, self.optimizer, self.hooks
         micro_batches = MicroBatches.of(self.spec, self.features, cfg)
-        progress = Progress(cfg.steps, self.step) if stepper.lead else None
+        self.progress = Progress(cfg.steps, self.step) if stepper.lead else None
         for dev in stepper.devices:
             torch.cuda.reset_peak_memory_stats(dev)
-        last_save = time.monotonic()
+        skip = optimizer if stepper.defers_readings and skips_on_device(optimizer) else None
+        self.last_read = last_save = time.monotonic()
         while self.step < cfg.steps:
-            t0 = time.perf_counter()
+            t0 = time.monotonic()
             for group in optimizer.param_groups:
                 group["lr"] = cfg.lr * lr_factor(cfg, self.step)
             if h.check_interrupt:
@@ -260,31 +271,53 @@ class RunState:
             loss = stepper.forward_backward(ks, self.features, micro_batches)
             if self.step + 1 < cfg.steps:         # the next step's inputs while the GPUs run this one
                 stepper.prepare_inputs(ks[-1] + 1, self.features, micro_batches)
-            loss, norm = check_step(self.step + 1, loss, stepper.params, cfg)   # NaN or inf: stop before applying it
+            self.read_step()                      # the step before, which the GPUs finished meanwhile
+            reading = StepReading(self.step + 1, loss, stepper.params, cfg, skip)   # NaN or inf: never applied
             if cfg.max_grad_norm:
-                stepper.clip(cfg.max_grad_norm, norm)
+                stepper.clip(cfg.max_grad_norm, reading.norm)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             self.step += 1
             due = bool(cfg.save_every and self.step % cfg.save_every == 0) or \
                 bool(cfg.save_every_minutes and time.monotonic() - last_save >= 60 * cfg.save_every_minutes)
-            loss, due, stop = stepper.agree(self.step, loss, due)
-            self.losses.append(loss)
-            if stepper.lead:
-                self.record(loss, time.perf_counter() - t0)
-                progress.update(self.step, loss)
-            if stop is not None:              # a signal on some rank: every rank stops here, once the step is logged
-                stop.throw()
-            if self.step == self.run.start + 1 and compile_stats().graphs:      # what the first step compiled
-                self.say(compile_stats().line())
-            if h.on_step:
-                h.on_step(self.step, cfg.steps, loss)
-            if due and self.step < cfg.steps:
+            sample = bool(self.samples and self.step % cfg.sample_every == 0 and self.step < cfg.steps)
+            self.pending = (reading, t0, due, optimizer.param_groups[0]["lr"])
+            if skip is not None and not (due or sample or self.step == cfg.steps):
+                continue
+            if self.read_step() and self.step < cfg.steps:
                 self.save(f"{cfg.output_name}_step{self.step}.safetensors")
                 last_save = time.monotonic()
-            if self.samples and self.step % cfg.sample_every == 0 and self.step < cfg.steps:
+            if sample:
                 self.samples.take(self.step)
 
-    def record(self, loss: float, seconds: float) -> None:
+    def read_step(self) -> bool:
+        """Read the applied step still unread, if any: its loss logged and shown; NonFiniteStep where it was not
+        finite (the optimizer skipped it on the device: the run is at the step before). Whether a save is due
+        after it, as every process of the run agrees; a stop some process took is raised here, once logged."""
+        if self.pending is None:
+            return False
+        reading, t0, due, lr = self.pending
+        try:
+            loss = reading.read()
+        except NonFiniteStep:
+            self.pending, self.step = None, reading.step - 1
+            raise
+        self.pending = None
+        loss, due, stop = self.stepper.agree(self.step, loss, due)
+        self.losses.append(loss)
+        now = time.monotonic()
+        if self.stepper.lead:            # (a step read late: timed from the read before, which it ran after)
+            self.record(loss, lr, now - max(t0, self.last_read))
+            self.progress.update(self.step, loss)
+        self.last_read = now
+        if stop is not None:              # a signal on some rank: every rank stops here, once the step is logged
+            stop.throw()
+        if self.step == self.run.start + 1 and compile_stats().graphs:      # what the first step compiled
+            self.say(compile_stats().line())
+        if self.hooks.on_step:
+            self.hooks.on_step(self.step, self.cfg.steps, loss)
+        return due
+
+    def record(self, loss: float, lr: float, seconds: float) -> None:
         append_line(self.run.files.metrics, json.dumps({     # whole lines only, even on a full disk
-            "step": self.step, "loss": loss, "lr": self.optimizer.param_groups[0]["lr"], "seconds": round(seconds, 4)}))
+            "step": self.step, "loss": loss, "lr": lr, "seconds": round(seconds, 4)}))

@@ -76,7 +76,7 @@ class Replicas:
     def step(self, ks: list[int], loss_of: Callable[[Replica, int], torch.Tensor]) -> list[torch.Tensor]:
         """Forward and backward of micro-batches `ks` over the replicas, the step's LoRA gradient in the first
         replica's parameters; `loss_of`'s losses in ascending k, left on their devices (the loop reads them
-        with the gradients' norm in one host sync: `divergence.check_step`)."""
+        with the gradients' norm in one host sync: `divergence.StepReading`)."""
         lead = self.lead
         if self.pool is None:
             return [x.detach() for x in accumulate(lambda k: loss_of(lead, k), ks, lead.plan.schedule,

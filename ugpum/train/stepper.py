@@ -26,6 +26,7 @@ class OneProcessStepper:
     name = "one process"
     lead = True                    # this process reads the data and writes the run folder
     can_sample = True
+    defers_readings = True         # nothing to agree on with other processes
 
     def __init__(self, plan=None):
         self.plan = plan           # the one the Partition Planner showed; None: planned here
