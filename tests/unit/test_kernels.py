@@ -178,3 +178,14 @@ def test_the_fp8_mode_hands_its_matmul_and_lora_to_the_op_where_the_kernel_is_se
     got = fp8.MODE.matmul(a, sa, b, sb.reshape(-1), torch.float32, (h, lb, 0.25))
     want = (a.double() * sa.double()) @ (b.double() * sb.double()).t() + (h.double() @ lb.double().t()) * 0.25
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_kernel_that_needs_hopper_is_turned_on_only_where_every_gpu_has_it(monkeypatch):
+    """fp8's GEMM with the LoRA in its epilogue runs on Hopper's tensor memory accelerator only: where it is on by
+    default, a run on an Ada card (8.9), or on GPUs of unknown capability, leaves it off; Hopper takes it."""
+    from ugpum.compute import kernels
+    monkeypatch.setattr(kernels, "ON_BY_DEFAULT", ("lora-kernel", "fp8-lora-epilogue"))
+    assert kernels.measured_for((9, 0)) == ["lora-kernel", "fp8-lora-epilogue"]
+    assert kernels.measured_for((10, 0)) == ["lora-kernel", "fp8-lora-epilogue"]
+    assert kernels.measured_for((8, 9)) == kernels.measured_for(None) == ["lora-kernel"]
+

@@ -33,6 +33,9 @@ KERNELS = {"lora-kernel": ("lora_up", "add_up_projection", "ugpum.compute.lora",
 # The kernels a GPU run measured faster than PyTorch's ops, klein 9B, recompute all, one H100 (bench/results/README.md,
 # "The fifth call set"): lora-kernel 0.4798 -> 0.4732 s/step in bf16; int8-kernel 0.4611 -> 0.4117 in int8.
 ON_BY_DEFAULT = ("lora-kernel", "int8-kernel")
+# The compute capability a kernel needs on every training GPU to be turned on by default: fp8's GEMM on our kernel
+# runs only on Hopper's tensor memory accelerator (elsewhere its op falls back to a float matmul).
+NEEDS = {"fp8-lora-epilogue": (9, 0)}
 
 
 def turn_on(name: str) -> None:
@@ -42,11 +45,22 @@ def turn_on(name: str) -> None:
     setattr(importlib.import_module(user), setting, found)
 
 
+def measured_for(capability: tuple[int, int] | None) -> list[str]:
+    """The kernels of ON_BY_DEFAULT that GPUs of this lowest compute capability take (None: not known, so only
+    those that need none)."""
+    return [name for name in ON_BY_DEFAULT
+            if name not in NEEDS or (capability is not None and tuple(capability) >= NEEDS[name])]
+
+
 def turn_on_measured(devices) -> list[str]:
-    """Turn on the kernels of ON_BY_DEFAULT when a training device (torch devices or their names) is CUDA and
-    Triton is installed; the names turned on (none on the CPU, where the ops' PyTorch forms run anyway)."""
-    if not HAS_TRITON or not any(torch.device(d).type == "cuda" for d in devices):
+    """Turn on the kernels of ON_BY_DEFAULT that every CUDA training device (torch devices or their names) takes
+    (`measured_for`), when one is CUDA and Triton is installed; the names turned on (none on the CPU, where the
+    ops' PyTorch forms run anyway)."""
+    cuda = [torch.device(d) for d in devices if torch.device(d).type == "cuda"]
+    if not HAS_TRITON or not cuda:
         return []
-    for name in ON_BY_DEFAULT:
+    capability = min(map(torch.cuda.get_device_capability, cuda)) if torch.cuda.is_available() else None
+    names = measured_for(capability)
+    for name in names:
         turn_on(name)
-    return list(ON_BY_DEFAULT)
+    return names
