@@ -21,7 +21,8 @@ Time: the coefficients of ugpum.planning.cost.block_seconds against the device's
 row's device_tflops): the dense matmuls' share of it in compiled and eager blocks, attention's, the width at
 which the memory-bound work around the matmuls costs as much as they do, each 8-bit mode's forward and backward
 dense speeds, and a factor per family but FLUX.2's, solved together over every row (swap included, as the
-planner forecasts it) by bounded least squares on the relative errors (`TIME_COEFFICIENTS`).
+planner forecasts it) by bounded least squares on the relative errors (`TIME_COEFFICIENTS`); then each mode whose
+rows all recompute every block, one speed with another mode's backward/forward ratio (`tied_modes`).
 """
 from __future__ import annotations
 
@@ -207,8 +208,6 @@ def time_table(rows: list[dict]) -> dict:
         values = [round(float(v), 4) for v in least_squares(errors, start, bounds=(lower, upper), diff_step=1e-3).x]
         _set_time(free, values, tied)
         fitted.update((name, v) for (name, *_), v in zip(free, values))
-    for mode, model in tied.items():
-        print(f"{mode.name}'s rows all recompute every block: its backward takes {model.name}'s ratio to its forward")
     return fitted
 
 

@@ -18,7 +18,6 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.attention_backends import time_ms  # noqa: E402
 from ugpum.compute.kernels import cdiv, int8_matmul  # noqa: E402
 from ugpum.formats.atomic import append_line  # noqa: E402
 
@@ -39,6 +38,19 @@ def operands(m, n, k):
     h, lb = torch.randn(m, 16, device="cuda", dtype=torch.bfloat16), torch.randn(n, 16, device="cuda",
                                                                                  dtype=torch.bfloat16)
     return a, sa, b, sb, h, lb
+
+
+def time_ms(fn, repeats: int = 20) -> float:
+    """Median of `repeats` timed calls (CUDA events), after three warm-up calls."""
+    for _ in range(3):
+        fn()
+    starts, ends = ([torch.cuda.Event(enable_timing=True) for _ in range(repeats)] for _ in range(2))
+    for start, end in zip(starts, ends):
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return sorted(s.elapsed_time(e) for s, e in zip(starts, ends))[repeats // 2]
 
 
 _casts: dict = {}
@@ -80,8 +92,7 @@ def fp8(a, sa, b, sb, h, lb):
     return torch._scaled_mm(a8, b8.t(), scale_a=sa, scale_b=sb.reshape(1, -1), out_dtype=torch.bfloat16)
 
 
-def bf16(a, sa, b, sb, h, lb):
-    """cuBLAS's bf16 GEMM at the same shape: the reference."""
+def bf16(a, sa, b, sb, h, lb):                     # cuBLAS's bf16 GEMM at the same shape: the reference
     a16, b16 = cast(a, b, torch.bfloat16)
     return a16 @ b16.t()
 

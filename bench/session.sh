@@ -12,7 +12,7 @@
 # ".whl"] (and ".carry/before.tar.xz" for before-after, ".carry/loranne_frames.tar" for Wan without PyAV):
 #   bash bench/session.sh "$OUT" SECTION...
 # Sections, run in the order given:
-#   profile     attention kernels at our shapes (bench/attention_backends.py), then a kernel table by op class
+#   profile     a kernel table by op class
 #               (bench/profile_steps.py) of ours on the newest ComfyUI, of ours as ComfyUI 0.33 would choose
 #               attention, of ours on ComfyUI 0.3.75's classes, of the reference peer (klein 9B, bf16, recompute
 #               all; ours' timeline kept too)
@@ -40,7 +40,7 @@
 #   before-after  the whole-GPU and 16 GiB klein cases on REF's tree and on this one; the whole GPU's before
 #               after after before (BA_ORDER): the same tree twice gives the A/A noise
 #   one-process what one process costs driving two replicas: two workers against one on cuda:0
-#               (bench/replicas_one_process.py; the planner assumes 2 % until this is measured)
+#               (bench/two_gpu.py --layouts one,replicas)
 #   two-gpu     replicas against the split on two GPUs (bench/two_gpu.py)
 #   cosine      each 8-bit mode's per-block LoRA gradient cosine against the bf16 base, klein 9B's first, middle
 #               and last block (bench/gradient_cosine.py, OUT/gradient_cosine.jsonl; the modes' gradient_cosine)
@@ -112,8 +112,6 @@ wan_args="--model-file $w14 --resolution 640 --frames 17 --rank 32 --dataset $cl
 for s in $sections; do
   case $s in
   profile) model_file $k9 flux2-klein-9b
-    step "attention backends"
-    timeout 90 python3 bench/attention_backends.py --rows "$out/attention.jsonl" 2>&1 | tee -a "$log" | tail -12
     PROFILE=1 TRACE=1 case_row prof-ours-bf16-all "$COMFYUI_PATH" $ours --base-compute bf16 --recompute all
     PROFILE=1 case_row prof-ours-bf16-all-comfy-attention "$COMFYUI_PATH" $ours --base-compute bf16 \
       --recompute all --experiment comfy-attention
@@ -215,8 +213,8 @@ for s in $sections; do
   one-process) fits one-process || continue
     model_file /tmp/k9-base.safetensors flux2-klein-base-9b
     step "one process driving two replicas of klein 9B on cuda:0 against one worker"
-    timeout ${CASE_S:-300} python3 bench/replicas_one_process.py --model-file /tmp/k9-base.safetensors --device cuda:0 \
-      --rows "$out/replicas_one_process.jsonl" >> "$log" 2>&1
+    timeout ${CASE_S:-300} python3 bench/two_gpu.py --model-file /tmp/k9-base.safetensors --devices cuda:0,cuda:0 \
+      --layouts one,replicas --grad-accum 2 --rows "$out/one_process.jsonl" --work /tmp/one_process >> "$log" 2>&1
     echo "rc=$? one-process" | tee -a "$log" ;;
   two-gpu) model_file /tmp/k9-base.safetensors flux2-klein-base-9b
     step "replicas against the split, 2, 4 and 8 micro-batches a step"

@@ -129,19 +129,3 @@ def test_the_command_line_trains_replicas(tmp_path):
     rc, text = cli_train(*args, "--devices", "cpu,cpu", "--replicas", "3", "--out", str(tmp_path / "three"))
     assert rc == 2 and "--replicas 3: 2 device(s) do not divide into 3 replicas" in text, text
 
-
-def test_the_one_process_cost_bench_runs_on_the_cpu(tmp_path):
-    """bench/replicas_one_process.py's whole path with the tiny model: both cases through the engine's replicas,
-    and the row of what two workers in one process add against one."""
-    from support.bench_run import run_bench
-    rows = tmp_path / "rows.jsonl"
-    done = run_bench("replicas_one_process", ["--profile", "tiny-flux2", "--device", "cpu", "--steps", "2",
-                                              "--warmup", "1", "--rows", str(rows)], threads=1)
-    assert done.returncode == 0, done.stderr[-3000:]
-    one, two, estimate = [json.loads(line) for line in rows.read_text().splitlines()]
-    assert (one["replicas"], two["replicas"]) == (1, 2) and one["micro_batches"] == two["micro_batches"] == 2
-    assert all(r["s_per_step"] > 0 and r["cpu_s_per_step"] > 0 and len(r["step_times"]) == 2 for r in (one, two))
-    assert one["kernel_launches"] is None                       # (counted on a GPU only)
-    assert estimate["estimate"] == "one_process_loss_one_device"
-    assert estimate["value"] == max(0.0, two["s_per_step"] / one["s_per_step"] - 1)
-    assert f"two workers in one process add {estimate['value']:.1%}" in done.stdout

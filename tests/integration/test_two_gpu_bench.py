@@ -180,7 +180,24 @@ def test_bench_measures_replicas_against_the_split_on_two_cpu_devices(tmp_path):
     assert "grad-accum 2: split" in done.stdout
 
 
+@pytest.mark.slow
+def test_bench_measures_two_workers_against_one_on_one_device_named_twice(tmp_path):
+    """What one process loses driving two replicas, through the CLI: one copy on the first device against two
+    replicas on the one device named twice, the same micro-batches, the same LoRA."""
+    rows = tmp_path / "rows.jsonl"
+    done = run_bench("two_gpu", ["--profile", "tiny-flux2", "--devices", "cpu,cpu", "--layouts", "one,replicas",
+                                 "--grad-accum", "2", "--steps", "2", "--warmup", "1", "--rows", str(rows), "--work",
+                                 str(tmp_path / "work")], threads=1)
+    assert done.returncode == 0, done.stderr[-3000:]
+    one, replicas, compared = [json.loads(line) for line in rows.read_text().splitlines()]
+    assert (one["layout"], one["copies"], one["shares"]) == ("one", 1, [2])
+    assert (replicas["layout"], replicas["copies"], replicas["shares"]) == ("replicas", 2, [1, 1])
+    assert compared["compare"] == "replicas vs one" and compared["lora_relative_difference"] < 1e-6
+    assert "grad-accum 2: one" in done.stdout
+
+
 @pytest.mark.parametrize("bad, message", [
+    (["--layouts", "one,one"], "two of split, one, replicas"),
     (["--devices", "cpu"], "name two devices"),
     (["--grad-accum", "3"], "even numbers of at least 2"),
     (["--steps", "1"], "more than --warmup"),

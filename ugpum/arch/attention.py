@@ -5,8 +5,8 @@ ComfyUI's model classes call attention through `optimized_attention(q, k, v, hea
 `torch_attention` there, for two reasons:
 
 * speed: ComfyUI 0.33 wraps PyTorch's attention in ``sdpa_kernel([FLASH, CUDNN, ...], set_priority=True)`` on
-  NVIDIA GPUs, where 0.3.75 (and the peers, diffusers included) leave the choice to PyTorch;
-  `bench/attention_backends.py` times each kernel's forward+backward at our shapes;
+  NVIDIA GPUs, where 0.3.75 (and the peers, diffusers included) leave the choice to PyTorch (each kernel's
+  forward+backward at our shapes: bench/results/attention_backends_2026-12-07_h100.jsonl);
 * autograd: a ComfyUI started with ``--use-sage-attention`` or another inference-only kernel would otherwise
   train through a kernel that has no backward.
 

@@ -14,15 +14,13 @@ BENCH_DIR = PACK_ROOT / "bench"
 
 # What each benchmark measures, in a user's words (`bench --help`); the scripts' own --help says more.
 SUMMARIES = {
-    "attention_backends": "forward+backward of each of PyTorch's attention kernels at the models' shapes",
     "calibration_fit": "fit the planner's memory and time model to recorded training runs",
     "cards": "train as a smaller card would: the GPU capped to a card's memory, the plan's forecast against it",
     "gradient_cosine": "each 8-bit base-compute mode's per-block LoRA gradient cosine against the bf16 base",
     "model_files": "write full-size model files with random weights, in the layouts real checkpoints have",
     "peer_wan": "a diffusers + PEFT LoRA step on Wan 2.1 14B, the peer for Wan's speed rows",
     "profile_steps": "a kernel table by op class of a few training steps of any program",
-    "replicas_one_process": "what one process costs driving two replicas: two workers against one, one GPU",
-    "two_gpu": "two GPUs: replicas against the split, each through `python -m ugpum train`",
+    "two_gpu": "replicas against the split on two GPUs (or two workers against one on one GPU), through the CLI",
 }
 
 
