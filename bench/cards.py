@@ -275,7 +275,7 @@ EXPERIMENTS = {
     "gemm-autotune": ("torch._inductor.config", "max_autotune_gemm", True),
     "plain-ops": ("ugpum.compute.kernels", "ON_BY_DEFAULT", ()),         # PyTorch's ops, no kernel of ours
     "int8-lora-epilogue": ("ugpum.compute.modes.int8", "LORA_IN_KERNEL", True), "int8-tma": (
-        "ugpum.compute.kernels.int8_matmul", "DESCRIPTORS", True), "attention-recomputed": (
+        "ugpum.compute.kernels.matmul_8bit", "DESCRIPTORS", True), "attention-recomputed": (
         "ugpum.planning.plan", "KEEP_ATTENTION", False),     # the LoRA in the int8 GEMM; a recompute of all
     **{name: ("ugpum.compute.kernels", "ON_BY_DEFAULT", (name,)) for name in kernels.KERNELS},   # that one alone
     "fp8-lora-epilogue": ("ugpum.compute.kernels", "ON_BY_DEFAULT", (*kernels.ON_BY_DEFAULT, "fp8-lora-epilogue")),

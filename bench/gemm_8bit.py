@@ -2,7 +2,7 @@
 runs it (1024², recompute all with the attention kept: the fp8 kernel table of bench/results, the sixth call set),
 on cuBLAS's bf16 GEMM (the reference) and fp8 GEMM (`torch._scaled_mm`, row-wise scales), `torch._int_mm`, and
 our int8 Triton GEMM with each thread's loads and with Hopper's tensor memory accelerator
-(`ugpum.compute.kernels.int8_matmul.DESCRIPTORS`), each autotuned as training runs it and with fixed tiles; with and
+(`ugpum.compute.kernels.matmul_8bit.DESCRIPTORS`), each autotuned as training runs it and with fixed tiles; with and
 without the LoRA term in the epilogue; and the backward's on-the-fly weight transpose, timed at every call's shape
 (a step makes one a layer: 112 of the 294). One JSON row per variant: ms a step and ms per shape.
 
@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from ugpum.compute.kernels import cdiv, int8_matmul  # noqa: E402
+from ugpum.compute.kernels import cdiv, matmul_8bit  # noqa: E402
 from ugpum.formats.atomic import append_line  # noqa: E402
 
 # (M, N, K): calls a step
@@ -73,7 +73,7 @@ def fixed_tiles(tile, fp8_inputs=False, lora=False):
             a, b = cast(a, b, torch.float8_e4m3fn)
         (m, kk), n = a.shape, b.shape[0]
         c = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-        k.int8_scaled_mm_tma.fn[(cdiv(m, bm) * cdiv(n, bn),)](
+        k.scaled_mm_8bit_tma.fn[(cdiv(m, bm) * cdiv(n, bn),)](
             a, b, sa.reshape(-1), sb, c, h, lb, m, n, kk, 16 if lora else 0, 0.5, BM=bm, BN=bn, BK=bk, LORA=lora,
             BR=k.TILE_R, num_warps=warps, num_stages=stages)
         return c
@@ -82,8 +82,8 @@ def fixed_tiles(tile, fp8_inputs=False, lora=False):
 
 def op(descriptors: bool, lora: bool):
     def run(a, sa, b, sb, h, lb):
-        int8_matmul.DESCRIPTORS = descriptors
-        return int8_matmul.int8_scaled_mm(a, sa, b, sb, torch.bfloat16, *((h, lb, 0.5) if lora else ()))
+        matmul_8bit.DESCRIPTORS = descriptors
+        return matmul_8bit.scaled_mm_8bit(a, sa, b, sb, torch.bfloat16, *((h, lb, 0.5) if lora else ()))
     return run
 
 

@@ -36,7 +36,7 @@ OP_CLASSES = [
     ("optimizer", r"adam|multi_tensor|foreach|_fused_adam"),
     ("attention", r"flash|fmha|attention|sdpa|_efficient_attention|cudnn.*(sdpa|mha)"),
     ("matmul", r"gemm|nvjet|cutlass|xmma|wgmma|\bmm\b|aten::(mm|addmm|bmm|matmul|linear|_scaled_mm|_int_mm)|"
-               r"triton_tem|sm90_|splitk|cublas|^int8_scaled_mm"),     # (the last: ugpum.compute.kernels')
+               r"triton_tem|sm90_|splitk|cublas|^scaled_mm_8bit"),     # (the last: ugpum.compute.kernels')
     ("memory copy", r"memcpy|memset|Memcpy|Memset"),
     ("norm and modulation", r"rsqrt|norm|layer_norm|rms|mean"),
     ("activation", r"silu|gelu|sigmoid|tanh|swiglu"),

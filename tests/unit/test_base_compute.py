@@ -180,7 +180,7 @@ def test_an_8bit_kernel_adds_the_lora_as_the_hook_did(monkeypatch, compiled, mod
     matmul itself, to the hook's values and gradients (x's, A's, B's); the hook stands aside only there, and
     undoing the base or removing the LoRA gives the hook back."""
     from ugpum.compute import base_compute
-    from ugpum.compute.kernels.int8_matmul import int8_scaled_mm
+    from ugpum.compute.kernels.matmul_8bit import scaled_mm_8bit
     from ugpum.compute.modes import fp8, int8
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.GELU(), torch.nn.Linear(48, 16))
@@ -202,7 +202,7 @@ def test_an_8bit_kernel_adds_the_lora_as_the_hook_did(monkeypatch, compiled, mod
     undo = use_base_compute(model, ["0", "2"], mode, log=lambda *_: None, emulate=True, keep="device")
     assert lora.hand_to_kernels(model, base_compute.takes_lora) == 0          # the kernel off: the hook adds it
     want = run()
-    monkeypatch.setattr(int8 if mode == "int8" else fp8, "TRITON_KERNEL", int8_scaled_mm)
+    monkeypatch.setattr(int8 if mode == "int8" else fp8, "TRITON_KERNEL", scaled_mm_8bit)
     monkeypatch.setattr(int8, "LORA_IN_KERNEL", True)
     assert lora.hand_to_kernels(model, base_compute.takes_lora) == 2
     calls, real = [], base_compute._matmul

@@ -1,5 +1,5 @@
 """ugpum.compute.kernels: the LoRA's up-projection added into the layer's output in one pass (`lora_up`), and the
-int8 base's matmul with its rescale (`int8_matmul`). Each op gives its plain form's values (and gradients) here on
+int8 base's matmul with its rescale (`matmul_8bit`). Each op gives its plain form's values (and gradients) here on
 the CPU, where it is that form, and its Triton kernel computes them: run by Triton's own interpreter on the CPU
 (fp32 and fp16 outputs; the interpreter has no bf16, which the CUDA tests and the GPU runs check:
 `bench/cards.py --experiment lora-kernel|int8-kernel`)."""
@@ -13,8 +13,8 @@ import textwrap
 import pytest
 import torch
 
-from ugpum.compute.kernels import int8_matmul
-from ugpum.compute.kernels.int8_matmul import int8_scaled_mm
+from ugpum.compute.kernels import matmul_8bit
+from ugpum.compute.kernels.matmul_8bit import scaled_mm_8bit
 from ugpum.compute.kernels.lora_up import add_up_projection
 from ugpum.compute.modes import mode_named
 
@@ -84,8 +84,8 @@ def test_the_int8_op_is_the_rescaled_integer_product_plus_the_lora_term():
     a, sa, b, sb = _int8_operands(40, 24, 64)
     h, lb = torch.randn(40, 4, dtype=torch.float64), torch.randn(24, 4, dtype=torch.float64)
     want = (a.double() @ b.double().t()) * sa.double() * sb.double()
-    torch.testing.assert_close(int8_scaled_mm(a, sa, b, sb, torch.float32).double(), want, rtol=1e-6, atol=1e-6)
-    compiled = torch.compile(lambda *x: int8_scaled_mm(*x[:4], torch.float32, *x[4:]), backend="aot_eager")
+    torch.testing.assert_close(scaled_mm_8bit(a, sa, b, sb, torch.float32).double(), want, rtol=1e-6, atol=1e-6)
+    compiled = torch.compile(lambda *x: scaled_mm_8bit(*x[:4], torch.float32, *x[4:]), backend="aot_eager")
     torch.testing.assert_close(compiled(a, sa, b, sb).double(), want, rtol=1e-6, atol=1e-6)
     with_lora = compiled(a, sa, b, sb, h.float(), lb.float(), 0.25).double()
     torch.testing.assert_close(with_lora, want + (h @ lb.t()) * 0.25, rtol=1e-5, atol=1e-5)
@@ -103,11 +103,11 @@ def test_the_int8_kernel_computes_the_rescaled_integer_product_and_the_lora_term
                 a, sa, b, sb = _int8_operands(m, n, kk)
                 h, lb = torch.randn(m, max(r, 1), generator=g).to(dtype), torch.randn(n, max(r, 1), generator=g).to(dtype)
                 c = torch.empty(m, n, dtype=dtype)
-                kernels = (k.int8_scaled_mm, k.int8_scaled_mm_tma) if kk % 16 == 0 else (k.int8_scaled_mm,)
+                kernels = (k.scaled_mm_8bit, k.scaled_mm_8bit_tma) if kk % 16 == 0 else (k.scaled_mm_8bit,)
                 for kernel, (bm, bn) in itertools.product(kernels, ((64, 128), (128, 64))):   # (tiles set here:
                     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)               # the autotuner needs a GPU)
                     kernel.fn[grid](a, b, sa.reshape(-1), sb, c, h, lb, m, n, kk, r, 0.5, BM=bm, BN=bn, BK=32,
-                                    LORA=r > 0, BR=k.TILE_R, **({"GROUP": 2} if kernel is k.int8_scaled_mm_tma else {}))
+                                    LORA=r > 0, BR=k.TILE_R, **({"GROUP": 2} if kernel is k.scaled_mm_8bit_tma else {}))
                     want = (a.double() @ b.double().t()) * sa.double() * sb.double()
                     if r:
                         want = want + (h.double() @ lb.double().t()) * 0.5
@@ -134,13 +134,13 @@ def test_on_cuda_the_kernel_gives_the_plain_forms_values_and_gradients_in_bf16(m
 @pytest.mark.parametrize("m, n, k", [(4608, 36864, 4096), (512, 4096, 12288), (333, 515, 272)])
 @pytest.mark.parametrize("descriptors", [False, True])
 def test_on_cuda_the_int8_kernel_matches_int_mm_in_bf16(m, n, k, descriptors, monkeypatch):
-    monkeypatch.setattr(int8_matmul, "DESCRIPTORS", descriptors)
+    monkeypatch.setattr(matmul_8bit, "DESCRIPTORS", descriptors)
     a, sa, b, sb = _int8_operands(m, n, k, "cuda")
-    got = int8_scaled_mm(a, sa, b, sb, torch.bfloat16).float()
+    got = scaled_mm_8bit(a, sa, b, sb, torch.bfloat16).float()
     want = (a.double() @ b.double().t()).float() * sa * sb       # (_int_mm needs multiples of 8)
     assert (got - want).norm() <= 4e-3 * want.norm()
     h, lb = (torch.randn(rows, 16, device="cuda", dtype=torch.bfloat16) for rows in (m, n))
-    got = int8_scaled_mm(a, sa, b, sb, torch.bfloat16, h, lb, 0.5).float()
+    got = scaled_mm_8bit(a, sa, b, sb, torch.bfloat16, h, lb, 0.5).float()
     want = want + (h.float() @ lb.float().t()) * 0.5
     assert (got - want).norm() <= 4e-3 * want.norm()
 
@@ -156,8 +156,8 @@ def test_triton_is_imported_only_once_a_kernel_is_turned_on():
         assert "triton" not in sys.modules and lora.FUSED_UP_PROJECTION is None and int8.TRITON_KERNEL is None
         assert kernels.turn_on_measured(["cpu"]) == [] and "triton" not in sys.modules    # a CPU run: the plain ops
         assert kernels.turn_on_measured(["cpu", "cuda:0"]) == list(kernels.ON_BY_DEFAULT)
-        from ugpum.compute.kernels import int8_matmul, lora_up
-        assert lora.FUSED_UP_PROJECTION is lora_up.add_up_projection and int8.TRITON_KERNEL is int8_matmul.int8_scaled_mm
+        from ugpum.compute.kernels import matmul_8bit, lora_up
+        assert lora.FUSED_UP_PROJECTION is lora_up.add_up_projection and int8.TRITON_KERNEL is matmul_8bit.scaled_mm_8bit
         print("ok", "triton" in sys.modules)
     """)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240)
@@ -173,7 +173,7 @@ def test_the_fp8_mode_hands_its_matmul_and_lora_to_the_op_where_the_kernel_is_se
     b, sb = fp8.MODE.quantise_rows(torch.randn(24, 64, generator=g))
     h, lb = torch.randn(33, 8, generator=g), torch.randn(24, 8, generator=g)
     assert not fp8.MODE.takes_lora()
-    monkeypatch.setattr(fp8, "TRITON_KERNEL", int8_scaled_mm)
+    monkeypatch.setattr(fp8, "TRITON_KERNEL", scaled_mm_8bit)
     assert fp8.MODE.takes_lora()
     got = fp8.MODE.matmul(a, sa, b, sb.reshape(-1), torch.float32, (h, lb, 0.25))
     want = (a.double() * sa.double()) @ (b.double() * sb.double()).t() + (h.double() @ lb.double().t()) * 0.25

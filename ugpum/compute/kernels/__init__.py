@@ -1,5 +1,5 @@
 """Triton kernels for what PyTorch's own ops do in more passes or on older tensor-core paths: each a custom op
-(`lora_up`, `int8_matmul`) with a PyTorch form for the CPU and for installs without Triton, its kernel in
+(`lora_up`, `matmul_8bit`) with a PyTorch form for the CPU and for installs without Triton, its kernel in
 `triton_kernels` (tests run both forms: the kernels in Triton's interpreter). Registering a Triton op imports
 Triton, a second or more that every start of the CLI and of the node pack would pay: an op's module is imported
 only when `turn_on` names it (a training run on CUDA: `turn_on_measured`), and the code that uses it reads it
@@ -26,8 +26,8 @@ def cdiv(a: int, b: int) -> int:
 
 # name -> (the op's module, its function, the module and the setting that take it)
 KERNELS = {"lora-kernel": ("lora_up", "add_up_projection", "ugpum.compute.lora", "FUSED_UP_PROJECTION"),
-           "int8-kernel": ("int8_matmul", "int8_scaled_mm", "ugpum.compute.modes.int8", "TRITON_KERNEL"),
-           "fp8-lora-epilogue": ("int8_matmul", "int8_scaled_mm", "ugpum.compute.modes.fp8", "TRITON_KERNEL")}
+           "int8-kernel": ("matmul_8bit", "scaled_mm_8bit", "ugpum.compute.modes.int8", "TRITON_KERNEL"),
+           "fp8-lora-epilogue": ("matmul_8bit", "scaled_mm_8bit", "ugpum.compute.modes.fp8", "TRITON_KERNEL")}
 
 
 # The kernels a GPU run measured faster than PyTorch's ops, klein 9B, recompute all, one H100 (bench/results/README.md,

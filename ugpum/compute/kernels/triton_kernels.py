@@ -57,7 +57,7 @@ def add_up_projection(out_ptr, h_ptr, b_ptr, y_ptr, M, N, R, scale,
                           triton.Config({"BM": 64, "BN": 128, "BK": 128}, num_warps=4, num_stages=4)],
                  key=["M", "N", "K"])
 @triton.jit
-def int8_scaled_mm(a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, h_ptr, lb_ptr, M, N, K, R, scale,
+def scaled_mm_8bit(a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, h_ptr, lb_ptr, M, N, K, R, scale,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, LORA: tl.constexpr, BR: tl.constexpr):
     # the int8 base's matmul and rescale: c = (a @ b^T) * sa[:, None] * sb[None, :]; a [M, K], b [N, K],
     # c [M, N]: row-major and contiguous. LORA: + scale * h @ lb^T, a LoRA's up-projection (h [M, R], lb [N, R]),
@@ -77,7 +77,7 @@ def int8_scaled_mm(a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, h_ptr, lb_ptr, M, N, K, 
 
 # The same GEMM with its tiles brought in by Hopper's tensor memory accelerator (device-side descriptors, Triton 3.3+)
 # instead of each thread's loads, in groups of GROUP row tiles that share b's tiles in L2. Its descriptors take
-# scratch memory from the allocator Triton is given (`int8_matmul`; inductor sets its own).
+# scratch memory from the allocator Triton is given (`matmul_8bit`; inductor sets its own).
 @triton.autotune(configs=[triton.Config({"BM": 128, "BN": 256, "BK": 128}, num_warps=8, num_stages=3),
                           triton.Config({"BM": 256, "BN": 128, "BK": 128}, num_warps=8, num_stages=3),
                           triton.Config({"BM": 128, "BN": 128, "BK": 128}, num_warps=8, num_stages=4),
@@ -85,10 +85,10 @@ def int8_scaled_mm(a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, h_ptr, lb_ptr, M, N, K, 
                           triton.Config({"BM": 64, "BN": 128, "BK": 128}, num_warps=4, num_stages=4)],
                  key=["M", "N", "K"])
 @triton.jit
-def int8_scaled_mm_tma(a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, h_ptr, lb_ptr, M, N, K, R, scale,
+def scaled_mm_8bit_tma(a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, h_ptr, lb_ptr, M, N, K, R, scale,
                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, LORA: tl.constexpr, BR: tl.constexpr,
                        GROUP: tl.constexpr = 8):
-    # as int8_scaled_mm, also for fp8 e4m3 a and b; K a multiple of 16 (a descriptor's rows are 16-byte aligned)
+    # as scaled_mm_8bit, also for fp8 e4m3 a and b; K a multiple of 16 (a descriptor's rows are 16-byte aligned)
     pid, rows, cols = tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(N, BN)
     group_first = pid // (GROUP * cols) * GROUP
     group_rows = min(rows - group_first, GROUP)

@@ -8,7 +8,7 @@ from .mode import ComputeMode
 
 FP8 = torch.float8_e4m3fn
 # On CUDA, where set (`kernels.turn_on("fp8-lora-epilogue")`): the forward's matmul on the Triton GEMM of
-# `ugpum.compute.kernels.int8_matmul`, which also adds each layer's LoRA up-projection in its epilogue (cuBLAS's
+# `ugpum.compute.kernels.matmul_8bit`, which also adds each layer's LoRA up-projection in its epilogue (cuBLAS's
 # cannot); the backward stays on cuBLAS. Off until a GPU run measures it (bench/cards.py --experiment
 # fp8-lora-epilogue).
 TRITON_KERNEL = None

@@ -8,7 +8,7 @@ import torch
 from .mode import ComputeMode
 
 # On CUDA, the matmul and its rescale in one Triton kernel on Hopper's int8 instructions: this op
-# (`ugpum.compute.kernels.int8_matmul`, set by `kernels.turn_on`, which a CUDA run calls); None: _int_mm.
+# (`ugpum.compute.kernels.matmul_8bit`, set by `kernels.turn_on`, which a CUDA run calls); None: _int_mm.
 TRITON_KERNEL = None
 # Whether that kernel also adds each layer's LoRA up-projection in its epilogue (`takes_lora`); off until a GPU
 # run measures it (bench/cards.py --experiment int8-lora-epilogue).

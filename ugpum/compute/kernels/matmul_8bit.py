@@ -1,5 +1,7 @@
-"""The int8 base's matmul with its rescale in one kernel: (a @ b^T) * sa * sb in bf16, a [M, K] and b [N, K] int8
-(both K-major, as Hopper's int8 tensor cores read them), sa [M, 1] and sb [N] fp32 scales. `torch._int_mm` on an
+"""An 8-bit base's matmul with its rescale in one kernel: (a @ b^T) * sa * sb in bf16, a [M, K] and b [N, K] int8
+(both K-major, as Hopper's int8 tensor cores read them; or fp8 e4m3 on Hopper's tensor memory accelerator, where
+the epilogue can also add a LoRA's up-projection, which cuBLAS's fp8 GEMM cannot), sa [M, 1] and sb [N] fp32
+scales. `torch._int_mm` on an
 H100 takes CUTLASS's Ampere int8 GEMM and writes int32, which two more passes turn into bf16: 212.7 ms of
 matmuls and 58 ms of casts a klein 9B step, slower than bf16's matmuls (bench/results/README.md, the judge rows
 of 2026-12-07). A Triton GEMM runs Hopper's int8 instructions and rescales in its epilogue. On the CPU, and
@@ -14,7 +16,7 @@ from torch.library import triton_op, wrap_triton
 
 from . import cdiv, runs_kernel
 
-# Whether the GEMM's tiles come in through Hopper's tensor memory accelerator (`triton_kernels.int8_scaled_mm_tma`,
+# Whether the GEMM's tiles come in through Hopper's tensor memory accelerator (`triton_kernels.scaled_mm_8bit_tma`,
 # K a multiple of 16) rather than each thread's loads; off until a GPU run measures it (bench/cards.py
 # --experiment int8-tma).
 DESCRIPTORS = False
@@ -32,8 +34,8 @@ def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
-@triton_op("ugpum::int8_scaled_mm", mutates_args=())
-def int8_scaled_mm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, out_dtype: torch.dtype,
+@triton_op("ugpum::scaled_mm_8bit", mutates_args=())
+def scaled_mm_8bit(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, out_dtype: torch.dtype,
                    h: Optional[torch.Tensor] = None, lb: Optional[torch.Tensor] = None,
                    scale: float = 0.0) -> torch.Tensor:
     """(a [M, K] @ b [N, K]^T) * sa [M, 1] * sb [N] as out_dtype; a and b int8 (or fp8 e4m3: the TMA kernel), the
@@ -53,11 +55,11 @@ def int8_scaled_mm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch
 
     def grid(meta):
         return (cdiv(m, meta["BM"]) * cdiv(n, meta["BN"]),)
-    kernel = k.int8_scaled_mm
+    kernel = k.scaled_mm_8bit
     if descriptors:
         import triton
         triton.set_allocator(_scratch)          # (a context variable: set in the thread that launches)
-        kernel = k.int8_scaled_mm_tma
+        kernel = k.scaled_mm_8bit_tma
     wrap_triton(kernel)[grid](a, b, sa, sb, c, h, lb, m, n, width, h.shape[1] if lora else 0, scale,
                               LORA=lora, BR=k.TILE_R)
     return c
