@@ -5,8 +5,8 @@ writes, with what each block kept read off the allocator.
 
 Where they go: the shared time coefficients into ugpum/planning/calibration.json, each family's into
 ugpum/arch/<family>/calibration.json; each 8-bit mode's compiled dense speeds and extra host memory are
-printed, for its file in ugpum/compute/modes/. Rows: bench/results/calibration_fit.jsonl (`bash bench/session.sh OUT fit`) and
-bench/results/calibration.json (`... cards`, `wan-cards`, `dev-card`: the planner's picks on cards).
+printed, for its file in ugpum/compute/modes/. Rows: bench/results/calibration_fit.jsonl (`bash bench/session.sh
+OUT fit`) and bench/results/calibration.json (`... cards`, `wan-cards`, `dev-card`: the planner's picks on cards).
 
 Memory, in units of the hidden state between two blocks (ArchSpec.boundary_bytes; for a row whose blocks were
 recomputed, the unit is what such a block left alive, which is its output: this reads the tokens the dataset's

@@ -246,6 +246,55 @@ def test_a_step_that_is_not_finite_leaves_the_lora_of_the_step_before_though_it_
     assert steps == [1, 2]
 
 
+def test_a_signal_while_a_step_is_applied_keeps_that_step_and_one_while_it_is_read_on_the_way_out_waits(
+        tmp_path, monkeypatch):
+    """A real SIGTERM that lands inside the optimizer's step is held until the step is applied, counted and kept
+    to be read: the run stops with step 3 saved and logged. A real Ctrl-C that lands while a stopping run reads
+    its last step is noted, and the save still comes."""
+    import os
+    import signal
+    from ugpum.train import divergence, loop
+    make = loop.make_optimizer
+
+    def optimizer_signalled_at_3(*args):
+        optimizer, steps = make(*args), [0]
+        real_step = optimizer.step
+
+        def step(*a, **kw):
+            steps[0] += 1
+            if steps[0] == 3:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return real_step(*a, **kw)
+        optimizer.step = step
+        return optimizer
+    monkeypatch.setattr(loop, "make_optimizer", optimizer_signalled_at_3)
+    said = []
+    with pytest.raises(KeyboardInterrupt) as caught:
+        train(cfg(steps=5, save_every=0), tmp_path / "term", log=said.append)
+    assert Stop.of(caught.value).saved == 3 and latest_checkpoint(tmp_path / "term").name == "step_000003"
+    steps = [json.loads(line)["step"] for line in (tmp_path / "term" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]
+    monkeypatch.setattr(loop, "make_optimizer", make)
+
+    read, checks = divergence.StepReading.read, [0]
+
+    def cancel_at_4():
+        checks[0] += 1
+        if checks[0] == 4:                          # ComfyUI's Cancel at the top of step 4: step 3 is not read yet
+            raise KeyboardInterrupt
+
+    def read_after_a_second_ctrl_c(self):
+        if checks[0] >= 4:
+            os.kill(os.getpid(), signal.SIGINT)
+        return read(self)
+    monkeypatch.setattr(divergence.StepReading, "read", read_after_a_second_ctrl_c)
+    said.clear()
+    with pytest.raises(KeyboardInterrupt) as caught:
+        train(cfg(steps=5, save_every=0), tmp_path / "cancel", check_interrupt=cancel_at_4, log=said.append)
+    assert Stop.of(caught.value).saved == 3 and latest_checkpoint(tmp_path / "cancel").name == "step_000003"
+    assert any("SIGINT: finishing the save first" in str(line) for line in said), said
+
+
 def test_second_run_hits_the_cache(tmp_path):
     cache = tmp_path / "cache"
     first = train(cfg(steps=1, cache_dir=str(cache)), tmp_path / "a", **QUIET)

@@ -135,6 +135,9 @@ def test_a_step_read_late_is_skipped_by_the_optimizer_where_it_is_not_finite():
     assert all(torch.equal(fused.state[p][k], v) for k, v in after_one[1].items())
     with pytest.raises(NonFiniteStep, match=r"step 2: the gradients' norm is nan, so the run stopped before"):
         bad.read()
+    p.grad = torch.ones(3)
+    with pytest.raises(NonFiniteStep, match="step 3: the loss is nan"):       # a loss read as a number already:
+        StepReading(3, float("nan"), [p], cfg, skip_on_device=fused)        # checked at once, never deferred
 
 
 def test_clipping_with_the_checked_norm_scales_as_clip_grad_norm_does():

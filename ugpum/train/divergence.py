@@ -49,16 +49,17 @@ class StepReading:
         parts = [*(loss if isinstance(loss, list) else []), self.norm if grads else torch.zeros(())]
         values = torch.stack([v.detach().reshape(()).to(parts[0].device, torch.float64) for v in parts])  # (exact)
         self.values, self.ready = values, None
-        if skip_on_device is None:
+        if skip_on_device is None or self.number is not None:    # (a number was read already: checked now)
             self.values = values.cpu()
             self.read()
             return
         skip_on_device.found_inf = (~torch.isfinite(values).all()).float()
-        if values.is_cuda:                   # a copy the host can wait for alone, behind what is queued now
-            self.values = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-            self.values.copy_(values, non_blocking=True)
-            self.ready = torch.cuda.Event()
-            self.ready.record()
+        if values.is_cuda:                   # a copy the host can wait for alone, behind what is queued there now
+            with torch.cuda.device(values.device):
+                self.values = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+                self.values.copy_(values, non_blocking=True)
+                self.ready = torch.cuda.Event()
+                self.ready.record(torch.cuda.current_stream(values.device))
 
     def read(self) -> float:
         """The step's loss, once the device has it; NonFiniteStep where the loss or the gradients are not finite

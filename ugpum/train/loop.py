@@ -37,7 +37,7 @@ from .run.folder import OpenedRun, earlier_run, keep_metrics_until, open_run  # 
 from .run.lock import hold_run_folder
 from .samples import Samples
 from .stepper import OneProcessStepper
-from .stopping import Stop, stop_on_sigterm, stopped_note, uninterrupted
+from .stopping import Stop, saving, stop_on_sigterm, stopped_note, uninterrupted
 
 
 @dataclass
@@ -227,8 +227,13 @@ class RunState:
         together. Keep what the completed steps trained where the stepper can (not again when the error was
         this very save refused) and say what is kept, unless it was said; the Stop the run ends with."""
         if self.pending is not None:                 # a step applied, not read: logged, or known skipped
-            with contextlib.suppress(Exception):      # (not finite: read_step stepped back to the step before)
-                self.read_step()
+            with saving(self.say, self.step, stopping=True):     # (a second stop meanwhile: noted)
+                try:
+                    self.log_step()
+                except NonFiniteStep as skipped:      # the run is back at the step before: said
+                    self.say(str(skipped))
+                except (Exception, KeyboardInterrupt):  # noqa: BLE001  (the device failed: the save says what it can)
+                    pass
         told = stop.told
         if self.step > self.saved and self.stepper.can_save_after(stop.why) and self.refused != self.step:
             self.keep_completed_steps(say=not told)
@@ -275,14 +280,15 @@ class RunState:
             reading = StepReading(self.step + 1, loss, stepper.params, cfg, skip)   # NaN or inf: never applied
             if cfg.max_grad_norm:
                 stepper.clip(cfg.max_grad_norm, reading.norm)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            self.step += 1
-            due = bool(cfg.save_every and self.step % cfg.save_every == 0) or \
+            step = self.step + 1
+            due = bool(cfg.save_every and step % cfg.save_every == 0) or \
                 bool(cfg.save_every_minutes and time.monotonic() - last_save >= 60 * cfg.save_every_minutes)
-            sample = bool(self.samples and self.step % cfg.sample_every == 0 and self.step < cfg.steps)
-            self.pending = (reading, t0, due, optimizer.param_groups[0]["lr"])
-            if skip is not None and not (due or sample or self.step == cfg.steps):
+            sample = bool(self.samples and step % cfg.sample_every == 0 and step < cfg.steps)
+            with self.whole():                    # applied, counted and kept to be read, or none of them
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                self.step, self.pending = step, (reading, t0, due, optimizer.param_groups[0]["lr"])
+            if skip is not None and not (due or sample or step == cfg.steps):
                 continue
             if self.read_step() and self.step < cfg.steps:
                 self.save(f"{cfg.output_name}_step{self.step}.safetensors")
@@ -296,6 +302,25 @@ class RunState:
         after it, as every process of the run agrees; a stop some process took is raised here, once logged."""
         if self.pending is None:
             return False
+        with self.whole():                # read and logged whole (a Ctrl-C meanwhile: raised once it is)
+            loss, due, stop = self.log_step()
+        if stop is not None:              # a signal on some rank: every rank stops here, once the step is logged
+            stop.throw()
+        if self.step == self.run.start + 1 and compile_stats().graphs:      # what the first step compiled
+            self.say(compile_stats().line())
+        if self.hooks.on_step:
+            self.hooks.on_step(self.step, self.cfg.steps, loss)
+        return due
+
+    def whole(self):
+        """A block a stop does not cut: one held back meanwhile is raised once it is done. (Where steps are read
+        late, in one process, a signal raises where it lands; a rank's signal only sets a flag, which `agree`
+        reads, so there nothing is held.)"""
+        return uninterrupted() if self.stepper.defers_readings else contextlib.nullcontext()
+
+    def log_step(self) -> tuple[float, bool, Stop | None]:
+        """The pending step read (waiting for the device if need be) and logged: (its loss, a save due, the stop
+        every process takes), as `agree` says."""
         reading, t0, due, lr = self.pending
         try:
             loss = reading.read()
@@ -310,13 +335,7 @@ class RunState:
             self.record(loss, lr, now - max(t0, self.last_read))
             self.progress.update(self.step, loss)
         self.last_read = now
-        if stop is not None:              # a signal on some rank: every rank stops here, once the step is logged
-            stop.throw()
-        if self.step == self.run.start + 1 and compile_stats().graphs:      # what the first step compiled
-            self.say(compile_stats().line())
-        if self.hooks.on_step:
-            self.hooks.on_step(self.step, self.cfg.steps, loss)
-        return due
+        return loss, due, stop
 
     def record(self, loss: float, lr: float, seconds: float) -> None:
         append_line(self.run.files.metrics, json.dumps({     # whole lines only, even on a full disk

@@ -122,8 +122,8 @@ def saving(log, at: int, stopping: bool = False):
 
 @contextlib.contextmanager
 def uninterrupted():
-    """A stop that comes during the block (taking the run folder's lock) is raised once the block is
-    done, so that what the block set up is in place to be undone."""
+    """A stop that comes during the block (taking the run folder's lock, applying a step and counting it) is
+    raised once the block is done, so that what the block set up is in place to be undone or kept."""
     with _held_back() as held:
         yield
     if held:
