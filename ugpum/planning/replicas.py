@@ -27,8 +27,8 @@ HOST_MEMORY_GBPS = 40.0
 # The share of each step one process loses driving two GPUs instead of one (Python, the GIL, the kernel launch
 # queues), taken for any number of GPUs. Two worker threads driving two replicas of klein 9B on one H100 lost
 # nothing against one worker (0.745 against 0.747 s for the same two micro-batches, bench/results/README.md;
-# `bench/two_gpu.py --devices cuda:0,cuda:0 --layouts one,replicas` measures it again); on two cards, where the host must keep two GPUs fed, it is assumed until
-# bench/two_gpu.py runs on a machine of two.
+# `bench/two_gpu.py --devices cuda:0,cuda:0 --layouts one,replicas` measures it again); on two cards, where the
+# host must keep two GPUs fed, it is assumed until bench/two_gpu.py runs on a machine of two.
 ONE_PROCESS_LOSS = 0.02
 ONE_PROCESS_LIMIT = 0.05          # above it, the replicas run as processes
 
