@@ -164,10 +164,9 @@ TIME_COEFFICIENTS = [
 
 
 def tied_modes(rows: list[dict]) -> dict:
-    """mode -> the mode whose backward/forward speed ratio it takes: a quantising mode none of whose rows keeps a
-    block's activations (every row recomputes every block) measures one speed, not its forward and backward apart
-    (int8's rows with its Triton GEMM fit anything from 1.91x forward and 0.90x backward to 1.31x and 1.50x
-    within 1.6 %); it then takes the ratio of a mode whose rows do separate them."""
+    """mode -> the mode whose backward/forward speed ratio it takes: a quantising mode whose rows all recompute every
+    block measures one speed, not forward and backward apart (int8's with its Triton GEMM fit anything from 1.91x
+    and 0.90x to 1.31x and 1.50x within 1.6 %); it takes the ratio of a mode whose rows do separate them."""
     keeps = {r["base_compute"] for r in rows if kept_blocks(r, get_spec(r["model"]), workload(r))}
     measured = [m for m in MODES if m.quantises and m.name in keeps]
     return {m: measured[0] for m in MODES if m.quantises and m.name not in keeps and measured}

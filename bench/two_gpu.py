@@ -70,7 +70,8 @@ def lora_difference(a_path: str, b_path: str) -> float:
 
 def compared(first: dict, second: dict) -> dict:
     return {"compare": f"{second['layout']} vs {first['layout']}", "grad_accum": first["grad_accum"],
-            "devices": first["devices"], "profile": first["profile"], "speedup": first["s_per_step"] / second["s_per_step"],
+            "devices": first["devices"], "profile": first["profile"],
+            "speedup": first["s_per_step"] / second["s_per_step"],
             "forecast_speedup": first["forecast_s"] / second["forecast_s"],
             "lora_relative_difference": lora_difference(first["lora"], second["lora"])}
 
