@@ -75,7 +75,7 @@ def fixed_tiles(tile, fp8_inputs=False, lora=False):
         c = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
         k.scaled_mm_8bit_tma.fn[(cdiv(m, bm) * cdiv(n, bn),)](
             a, b, sa.reshape(-1), sb, c, h, lb, m, n, kk, 16 if lora else 0, 0.5, BM=bm, BN=bn, BK=bk, LORA=lora,
-            BR=k.TILE_R, num_warps=warps, num_stages=stages)
+            BR=k.TILE_R, GROUP=8, num_warps=warps, num_stages=stages)
         return c
     return run
 

@@ -77,17 +77,18 @@ def scaled_mm_8bit(a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, h_ptr, lb_ptr, M, N, K, 
 
 # The same GEMM with its tiles brought in by Hopper's tensor memory accelerator (device-side descriptors, Triton 3.3+)
 # instead of each thread's loads, in groups of GROUP row tiles that share b's tiles in L2. Its descriptors take
-# scratch memory from the allocator Triton is given (`matmul_8bit`; inductor sets its own).
-@triton.autotune(configs=[triton.Config({"BM": 128, "BN": 256, "BK": 128}, num_warps=8, num_stages=3),
-                          triton.Config({"BM": 256, "BN": 128, "BK": 128}, num_warps=8, num_stages=3),
-                          triton.Config({"BM": 128, "BN": 128, "BK": 128}, num_warps=8, num_stages=4),
-                          triton.Config({"BM": 128, "BN": 128, "BK": 256}, num_warps=8, num_stages=3),
-                          triton.Config({"BM": 64, "BN": 128, "BK": 128}, num_warps=4, num_stages=4)],
+# scratch memory from the allocator Triton is given (`matmul_8bit`; inductor sets its own). Every constexpr comes
+# from the configs or the call: inductor passes no default (GROUP = 8 as a default failed to compile there, H100).
+@triton.autotune(configs=[triton.Config({"BM": 128, "BN": 256, "BK": 128, "GROUP": 8}, num_warps=8, num_stages=3),
+                          triton.Config({"BM": 256, "BN": 128, "BK": 128, "GROUP": 8}, num_warps=8, num_stages=3),
+                          triton.Config({"BM": 128, "BN": 128, "BK": 128, "GROUP": 8}, num_warps=8, num_stages=4),
+                          triton.Config({"BM": 128, "BN": 128, "BK": 256, "GROUP": 8}, num_warps=8, num_stages=3),
+                          triton.Config({"BM": 64, "BN": 128, "BK": 128, "GROUP": 8}, num_warps=4, num_stages=4)],
                  key=["M", "N", "K"])
 @triton.jit
 def scaled_mm_8bit_tma(a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, h_ptr, lb_ptr, M, N, K, R, scale,
                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, LORA: tl.constexpr, BR: tl.constexpr,
-                       GROUP: tl.constexpr = 8):
+                       GROUP: tl.constexpr):
     # as scaled_mm_8bit, also for fp8 e4m3 a and b; K a multiple of 16 (a descriptor's rows are 16-byte aligned)
     pid, rows, cols = tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(N, BN)
     group_first = pid // (GROUP * cols) * GROUP
