@@ -111,9 +111,9 @@ def host_table(rows: list[dict]) -> tuple[dict, dict]:
         spec, w = get_spec(row["model"]), workload(row)
         pinned = sum(cost.block_weight_bytes(spec.blocks[i], w) for i in row["offloaded_blocks"])
         held.append((spec.family, row["base_compute"], row["host_peak_gib"] - pinned / GIB))
-    extra = dict.fromkeys({mode for _, mode, _ in held}, 0.0)
+    extra, families = dict.fromkeys({mode for _, mode, _ in held}, 0.0), {f for f, _, _ in held}
     for _ in range(8):
-        family = {f: statistics.median(g - extra[m] for f2, m, g in held if f2 == f) for f, _, _ in held}
+        family = {f: statistics.median(g - extra[m] for f2, m, g in held if f2 == f) for f in families}
         extra = {mode: statistics.median(g - family[f] for f, m, g in held if m == mode)
                  if mode_named(mode).quantises else 0.0 for mode in extra}
     return ({f: round(v, 2) for f, v in family.items()},

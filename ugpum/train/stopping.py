@@ -73,7 +73,8 @@ def stop_on_sigterm():
         yield
 
 
-_saves: list[list[int]] = []          # the stops each save (or lock being taken) holds back, innermost last
+_saves: list[list[int]] = []          # the stops each holding block (a save, the lock being taken, a step applied
+                                      # or read) holds back, innermost last
 
 
 def request_stop(signum: int) -> None:
