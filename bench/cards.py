@@ -280,6 +280,7 @@ EXPERIMENTS = {
     **{name: ("ugpum.compute.kernels", "ON_BY_DEFAULT", (name,)) for name in kernels.KERNELS},   # that one alone
     "fp8-lora-epilogue": ("ugpum.compute.kernels", "ON_BY_DEFAULT", (*kernels.ON_BY_DEFAULT, "fp8-lora-epilogue")),
     "step-read-at-once": ("ugpum.train.loop", "skips_on_device", lambda optimizer: False),   # each step read as it ends
+    "transpose-kept": ("ugpum.compute.base_compute", "KEEP_TRANSPOSED", True),   # Wq^T kept for the backward
     **{f"torchao-{r}": ("ugpum.train.prepare", "use_base_compute", torchao_base(r)) for r in ("float8", "int8")},
 }
 

@@ -216,3 +216,34 @@ def test_an_8bit_kernel_adds_the_lora_as_the_hook_did(monkeypatch, compiled, mod
     lora.remove()
     assert "ugpum_lora_in_kernel" not in vars(model[0])
     assert not torch.allclose(model(x), exact)                                # (the LoRA was there before)
+
+
+@pytest.mark.parametrize("mode", ["fp8", "int8"])
+def test_a_kept_transpose_feeds_the_backward_and_changes_no_gradient(monkeypatch, mode):
+    """`KEEP_TRANSPOSED`: each quantised layer keeps Wq^T, the backward reads it instead of transposing Wq, the input
+    gradient is the same to the bit, and undo drops it."""
+    from ugpum.compute import base_compute
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.GELU(), torch.nn.Linear(48, 16)).requires_grad_(False)
+    x, weights = torch.randn(2, 20, 32), torch.linspace(-1, 1, 2 * 20 * 16).view(2, 20, 16)
+
+    def input_grad():
+        xi = x.clone().requires_grad_()
+        (model(xi) * weights).sum().backward()
+        return xi.grad
+
+    def quantised():
+        return use_base_compute(model, ["0", "2"], mode, log=lambda *_: None, emulate=True, keep="device")
+    undo = quantised()
+    assert "ugpum_wq_t" not in model[0]._buffers
+    want = input_grad()
+    undo()
+    monkeypatch.setattr(base_compute, "KEEP_TRANSPOSED", True)
+    undo = quantised()
+    kept = model[0].ugpum_wq_t
+    assert kept.is_contiguous() and torch.equal(kept.float(), model[0].ugpum_wq.t().float())
+    assert torch.equal(input_grad(), want)
+    kept.copy_(torch.zeros_like(kept.float()))                 # x's gradient comes through layer 0's kept copy only
+    assert input_grad().abs().max() == 0
+    undo()
+    assert "ugpum_wq_t" not in model[0]._buffers and model[0].weight.numel() == 32 * 48

@@ -29,6 +29,11 @@ from .modes import EXACT, ComputeMode, fastest_mode_for, mode_named
 __all__ = ["use_base_compute", "QuantiseAsLoaded", "quantise_weight", "quantised_linear", "supports",
            "check_devices", "BaseComputeError", "takes_lora"]
 
+# Whether each quantised layer also keeps Wq^T (one more byte a weight) so the backward reads it instead of
+# transposing Wq at every call; off until a GPU run measures it (bench/cards.py --experiment transpose-kept). The
+# planner does not count the copy: an experiment for a card with room to spare.
+KEEP_TRANSPOSED = False
+
 
 class BaseComputeError(RuntimeError, EngineError):
     pass
@@ -84,51 +89,53 @@ class _QuantisedBase(torch.autograd.Function):
     kernel: `takes_lora`); backward returns grad_x (and the LoRA's grad_h, grad_B), never W's."""
 
     @staticmethod
-    def forward(ctx, x2, wq, sw, bias, mode, emulate, out_dtype, h=None, b=None, scale=0.0):
+    def forward(ctx, x2, wq, sw, bias, mode, emulate, out_dtype, h=None, b=None, scale=0.0, wq_t=None):
         chosen = mode_named(mode)
         xq, sx = chosen.quantise_rows(x2)
         y = _matmul(xq, sx, wq, sw, chosen, out_dtype, emulate, None if h is None else (h, b, scale))
         if bias is not None:
             y = y + bias.to(out_dtype)
-        ctx.save_for_backward(wq, sw, h, b)
+        ctx.save_for_backward(wq, sw, h, b, wq_t)
         ctx.mode, ctx.emulate, ctx.x_dtype, ctx.scale = mode, emulate, x2.dtype, scale
         return y
 
     @staticmethod
     def backward(ctx, gy):
-        wq, sw, h, b = ctx.saved_tensors
+        wq, sw, h, b, wq_t = ctx.saved_tensors
         gx = gh = gb = None
         if ctx.needs_input_grad[0]:
             chosen = mode_named(ctx.mode)
             g = gy.float() * sw                                 # the channel scale moves onto grad_y's columns
             gq, sg = chosen.quantise_rows(g)
-            w_t = wq.t() if ctx.emulate else wq.t().contiguous()     # [in, out]: rows = grad_x's columns
+            w_t = wq_t if wq_t is not None else wq.t() if ctx.emulate else wq.t().contiguous()   # [in, out]
             gx = _matmul(gq, sg, w_t, None, chosen, ctx.x_dtype, ctx.emulate)
         if h is not None:                                    # the up-projection's two small matmuls, scaled after
             g = gy.to(h.dtype)
             gh = (g @ b) * ctx.scale if ctx.needs_input_grad[7] else None
             gb = (g.t() @ h) * ctx.scale if ctx.needs_input_grad[8] else None
-        return gx, None, None, None, None, None, None, gh, gb, None
+        return gx, None, None, None, None, None, None, gh, gb, None, None
 
 
 def quantised_linear(x: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, bias: torch.Tensor | None, mode: str,
-                     emulate: bool = False, lora=None) -> torch.Tensor:
+                     emulate: bool = False, lora=None, wq_t: torch.Tensor | None = None) -> torch.Tensor:
     """The quantised base Linear: x [..., in] -> [..., out] in the compute dtype (autocast's, else x's). `lora`:
-    a LoRA adapter (`ugpum.compute.lora.LoraAdapter`) whose up-projection the mode's kernel adds."""
+    a LoRA adapter (`ugpum.compute.lora.LoraAdapter`) whose up-projection the mode's kernel adds; `wq_t`: Wq^T
+    contiguous, kept (`KEEP_TRANSPOSED`) for the backward."""
     dev = x.device.type
     compute = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
     x2 = x.reshape(-1, x.shape[-1])
     if not emulate:
         x2 = x2.to(torch.bfloat16)
     with torch.autocast(dev, enabled=False):
-        up = () if lora is None else (x2 @ lora.A.to(x2.dtype).t(), lora.B.to(x2.dtype), lora.scale)
+        up = (None, None, 0.0) if lora is None else (x2 @ lora.A.to(x2.dtype).t(), lora.B.to(x2.dtype), lora.scale)
         rows = 0 if emulate else mode_named(mode).min_rows
         if x2.shape[0] < rows:                               # a kernel that takes no fewer rows: padded
-            padded = [torch.cat([t, t.new_zeros(rows - t.shape[0], t.shape[1])]) for t in (x2, *up[:1])]
-            y = _QuantisedBase.apply(padded[0], wq, sw, bias, mode, emulate, compute, *padded[1:], *up[1:])
+            x2p, hp = (None if t is None else torch.cat([t, t.new_zeros(rows - t.shape[0], t.shape[1])])
+                       for t in (x2, up[0]))
+            y = _QuantisedBase.apply(x2p, wq, sw, bias, mode, emulate, compute, hp, *up[1:], wq_t)
             y = y[: x2.shape[0]]
         else:
-            y = _QuantisedBase.apply(x2, wq, sw, bias, mode, emulate, compute, *up)
+            y = _QuantisedBase.apply(x2, wq, sw, bias, mode, emulate, compute, *up, wq_t)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
@@ -140,7 +147,8 @@ def takes_lora(layer: nn.Module) -> bool:
 
 def _forward_quantised(self, x: torch.Tensor) -> torch.Tensor:
     lora = getattr(self, "ugpum_lora_in_kernel", None)      # (set by LoraSet.hand_to_kernels where takes_lora)
-    return quantised_linear(x, self.ugpum_wq, self.ugpum_sw, self.bias, self.ugpum_mode, self.ugpum_emulate, lora)
+    return quantised_linear(x, self.ugpum_wq, self.ugpum_sw, self.bias, self.ugpum_mode, self.ugpum_emulate, lora,
+                            getattr(self, "ugpum_wq_t", None))
 
 
 _classes: dict[type, type] = {}
@@ -178,6 +186,8 @@ def _quantise_layer(path: str, layer: nn.Module, mode: str, emulate: bool, keep:
     wq, sw = quantise_weight(_effective_weight(layer), mode)
     layer.register_buffer("ugpum_wq", wq, persistent=False)
     layer.register_buffer("ugpum_sw", sw, persistent=False)
+    if KEEP_TRANSPOSED:
+        layer.register_buffer("ugpum_wq_t", wq.t().contiguous(), persistent=False)
     layer.ugpum_mode, layer.ugpum_emulate = mode, emulate
     original = w.data
     if keep == "cpu":
@@ -195,7 +205,7 @@ def _undo_layers(stash: list) -> None:
     for layer, cls, saved, device in stash:
         layer.weight.data = saved.to(device) if saved.device != device else saved
         layer.__class__ = cls
-        for name in ("ugpum_wq", "ugpum_sw"):
+        for name in ("ugpum_wq", "ugpum_sw", "ugpum_wq_t"):
             layer._buffers.pop(name, None)
         for name in ("ugpum_mode", "ugpum_emulate"):
             layer.__dict__.pop(name, None)
