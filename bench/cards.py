@@ -306,10 +306,10 @@ def main(argv=None) -> int:
     p.add_argument("--variant", default="", help="a neighbour of the planner's pick: kept±N, swapped±N")
     p.add_argument("--speed-rows", help="also append the speed row (bench/results/speed.json's fields) to this file")
     p.add_argument("--call", default="", help="which GPU run the speed row belongs to (the peer's --call)")
-    p.add_argument("--experiment", default="", choices=["", *EXPERIMENTS], help="a what-if (EXPERIMENTS)")
+    p.add_argument("--experiment", default="", help="what-ifs of EXPERIMENTS, joined by + (a+b: both)")
     a = p.parse_args(argv)
-    if a.experiment:
-        module, name, value = EXPERIMENTS[a.experiment]
+    for x in filter(None, a.experiment.split("+")):
+        module, name, value = EXPERIMENTS.get(x) or p.error(f"--experiment {x}: use one of {', '.join(EXPERIMENTS)}")
         setattr(importlib.import_module(module), name, value)
     (work := Path(a.work)).mkdir(parents=True, exist_ok=True)
     config, out = work / "config.toml", work / "run"
