@@ -618,15 +618,12 @@ def _timed_ms(index: int, work: Callable[[], None], repeats: int) -> float:
         return start.elapsed_time(end) / repeats
 
 
-def measure_matmul_tflops(index: int, n: int = 4096, seconds: float = 0.4, batches: int = 5) -> float:
+def measure_matmul_tflops(index: int, n: int = 4096, seconds: float = 0.3) -> float:
     """bf16 n x n x n matmul TFLOP/s on cuda:index, in about `seconds`.
 
-    Warm up for a quarter of the time first: an idle GPU sits at low clocks and takes tens
-    of milliseconds to reach full speed. Then the fastest of `batches` timed batches: one
-    batch's mean read 697 and 728 TFLOP/s on two H100s whose training steps took the same
-    time (bench/results/README.md, the ninth session), and the rate is cached for good.
-    Random data (zeros run faster than real work). 4096 is near the shapes a block
-    multiplies at 1024^2 (4608 tokens x 4096 features).
+    Warm up for a third of the time first: an idle GPU sits at low clocks and takes tens
+    of milliseconds to reach full speed. Random data (zeros run faster than real work).
+    4096 is near the shapes a block multiplies at 1024^2 (4608 tokens x 4096 features).
     """
     import torch
 
@@ -639,13 +636,13 @@ def measure_matmul_tflops(index: int, n: int = 4096, seconds: float = 0.4, batch
         torch.matmul(a, b, out=out)
 
     batch = 10
-    deadline = time.perf_counter() + seconds / 4
+    deadline = time.perf_counter() + seconds / 3
     while True:
         ms = _timed_ms(index, matmul, batch)
         if time.perf_counter() >= deadline:
             break
-    repeats = max(batch, int(seconds * 3 / 4 * 1000 / ms / batches))
-    ms = min(_timed_ms(index, matmul, repeats) for _ in range(batches))
+    repeats = max(batch, int(seconds * 2 / 3 * 1000 / ms))
+    ms = _timed_ms(index, matmul, repeats)
     return 2 * n**3 / (ms * 1e-3) / 1e12
 
 
