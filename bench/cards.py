@@ -270,8 +270,7 @@ def torchao_base(recipe: str):
 
 # what-ifs (--experiment): a setting changed before the run, (module, name, value)
 EXPERIMENTS = {
-    "comfy-attention": ("ugpum.arch.attention", "torch_attention",     # attention as ComfyUI 0.33 chooses it
-                        lambda comfy_attention, *args, **kwargs: comfy_attention(*args, **kwargs)),
+    "comfy-attention": ("ugpum.arch.attention", "torch_attention", lambda f, *a, **k: f(*a, **k)),  # as 0.33 does
     "gemm-autotune": ("torch._inductor.config", "max_autotune_gemm", True),
     "plain-ops": ("ugpum.compute.kernels", "ON_BY_DEFAULT", ()),         # PyTorch's ops, no kernel of ours
     "int8-lora-epilogue": ("ugpum.compute.modes.int8", "LORA_IN_KERNEL", True), "int8-tma": (
@@ -280,7 +279,8 @@ EXPERIMENTS = {
     **{name: ("ugpum.compute.kernels", "ON_BY_DEFAULT", (name,)) for name in kernels.KERNELS},   # that one alone
     "fp8-lora-epilogue": ("ugpum.compute.kernels", "ON_BY_DEFAULT", (*kernels.ON_BY_DEFAULT, "fp8-lora-epilogue")),
     "step-read-at-once": ("ugpum.train.loop", "skips_on_device", lambda optimizer: False),   # each step read as it ends
-    "transpose-kept": ("ugpum.compute.base_compute", "KEEP_TRANSPOSED", True),   # Wq^T kept for the backward
+    "transpose-kept": ("ugpum.compute.base_compute", "KEEP_TRANSPOSED", True), "lora-as-sum": (
+        "ugpum.compute.lora", "UP_PROJECTION_AS_SUM", True),   # Wq^T kept for the backward; the LoRA summed over r
     **{f"torchao-{r}": ("ugpum.train.prepare", "use_base_compute", torchao_base(r)) for r in ("float8", "int8")},
 }
 

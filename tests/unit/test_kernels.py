@@ -189,3 +189,45 @@ def test_a_kernel_that_needs_hopper_is_turned_on_only_where_every_gpu_has_it(mon
     assert kernels.measured_for((10, 0)) == ["lora-kernel", "fp8-lora-epilogue"]
     assert kernels.measured_for((8, 9)) == kernels.measured_for(None) == ["lora-kernel"]
 
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_compiled_the_up_projection_summed_over_the_rank_gives_the_matmuls_values_and_gradients(monkeypatch, autocast):
+    """`lora.UP_PROJECTION_AS_SUM`: inside a compiled graph the LoRA's up-projection is the sum over the rank (which
+    inductor can fuse into the kernel that reads the output), to the matmul form's output and x's, A's and B's
+    gradients; eager runs keep the matmul."""
+    from ugpum.compute import lora as lora_module
+    from ugpum.compute.lora import attach_lora
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.GELU(), torch.nn.Linear(48, 16))
+    adapters = attach_lora(model, ["0", "2"], rank=4, alpha=2.0, seed=1)
+    for _, a in adapters.items():
+        torch.nn.init.normal_(a.B, std=0.3)
+    x = torch.randn(2, 20, 32)
+    summed = []
+    monkeypatch.setattr(lora_module._UpProjectionAsSum, "forward",
+                        staticmethod(lambda ctx, h, b, real=lora_module._UpProjectionAsSum.forward:
+                                     summed.append(h.shape) or real(ctx, h, b)))
+
+    def run():
+        torch._dynamo.reset()
+        xi = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            y = torch.compile(model, backend="aot_eager")(xi)
+        (y.float() * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
+        grads = [xi.grad] + [t.grad.clone() for _, a in adapters.items() for t in (a.A, a.B)]
+        for _, a in adapters.items():
+            a.A.grad = a.B.grad = None
+        return [y.detach().float(), *grads]
+
+    want = run()
+    assert not summed
+    monkeypatch.setattr(lora_module, "UP_PROJECTION_AS_SUM", True)
+    got = run()
+    assert len(summed) >= 2                                                # both layers' up-projections (traced)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype
+        torch.testing.assert_close(g, w, rtol=2e-2 if autocast else 1e-5, atol=2e-2 if autocast else 1e-5)
+    summed.clear()
+    model(x)
+    assert not summed                                                       # eager: the matmul

@@ -24,6 +24,25 @@ from torch import nn
 # On CUDA, the up-projection added in one Triton pass by this op (`ugpum.compute.kernels.lora_up`, set by
 # `kernels.turn_on`, which a CUDA run calls); None: the two-op forms below.
 FUSED_UP_PROJECTION = None
+# Compiled, the up-projection written as a sum over the rank (instead of FUSED_UP_PROJECTION's pass or a matmul),
+# which inductor can compute inside the kernel that reads the layer's output: no [tokens, out] product written and
+# read again. Off until a GPU run measures it (bench/cards.py --experiment lora-as-sum).
+UP_PROJECTION_AS_SUM = False
+
+
+class _UpProjectionAsSum(torch.autograd.Function):
+    """h [M, r] @ b [N, r]^T in h's dtype, as a broadcast product summed over r (summed in fp32); backward the
+    same two small matmuls as the matmul's."""
+
+    @staticmethod
+    def forward(ctx, h, b):
+        ctx.save_for_backward(h, b)
+        return (h.float().unsqueeze(-1) * b.float().t().unsqueeze(0)).sum(1).to(h.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        h, b = ctx.saved_tensors
+        return (grad @ b.to(grad.dtype)).to(h.dtype), (grad.t() @ h.to(grad.dtype)).to(b.dtype)
 
 
 class LoraAdapter(nn.Module):
@@ -55,6 +74,8 @@ class LoraAdapter(nn.Module):
         h = x.reshape(-1, x.shape[-1]) @ a.t()
         if not autocast and h.dtype != out.dtype:
             h = h.to(out.dtype)
+        if UP_PROJECTION_AS_SUM and torch.compiler.is_compiling():
+            return out + _UpProjectionAsSum.apply(h, b).view(out.shape) * self.scale
         if FUSED_UP_PROJECTION is not None and out.is_cuda:          # one pass over the output
             return FUSED_UP_PROJECTION(out.reshape(-1, out.shape[-1]), h, b.to(h.dtype), self.scale).view(out.shape)
         if torch.compiler.is_compiling():
