@@ -11,6 +11,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from support import comfy_models as cm  # noqa: E402
+from support.lora_pair import output_and_gradients, two_linears_with_lora  # noqa: E402
 from ugpum.compute.base_compute import (BaseComputeError, quantise_weight, quantised_linear,  # noqa: E402
                                         supports, use_base_compute)
 from ugpum.compute.modes import mode_named  # noqa: E402
@@ -182,22 +183,10 @@ def test_an_8bit_kernel_adds_the_lora_as_the_hook_did(monkeypatch, compiled, mod
     from ugpum.compute import base_compute
     from ugpum.compute.kernels.matmul_8bit import scaled_mm_8bit
     from ugpum.compute.modes import fp8, int8
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.GELU(), torch.nn.Linear(48, 16))
-    lora = attach_lora(model, ["0", "2"], rank=4, alpha=2.0, seed=1)
-    for _, a in lora.items():
-        torch.nn.init.normal_(a.B, std=0.3)
-    x = torch.randn(2, 20, 32)
+    model, lora, x = two_linears_with_lora()
 
     def run():
-        xi = x.clone().requires_grad_()
-        fn = torch.compile(model, backend="aot_eager") if compiled else model
-        y = fn(xi)
-        (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
-        grads = [xi.grad] + [t.grad.clone() for _, a in lora.items() for t in (a.A, a.B)]
-        for _, a in lora.items():
-            a.A.grad = a.B.grad = None
-        return [y.detach(), *grads]
+        return output_and_gradients(model, lora, x, compiled)
 
     undo = use_base_compute(model, ["0", "2"], mode, log=lambda *_: None, emulate=True, keep="device")
     assert lora.hand_to_kernels(model, base_compute.takes_lora) == 0          # the kernel off: the hook adds it

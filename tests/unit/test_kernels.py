@@ -18,6 +18,9 @@ from ugpum.compute.kernels.matmul_8bit import scaled_mm_8bit
 from ugpum.compute.kernels.lora_up import add_up_projection
 from ugpum.compute.modes import mode_named
 
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from support.lora_pair import output_and_gradients, two_linears_with_lora  # noqa: E402
+
 
 def _inputs(m=40, n=24, r=8, dtype=torch.float32):
     g = torch.Generator().manual_seed(0)
@@ -197,28 +200,14 @@ def test_compiled_the_up_projection_summed_over_the_rank_gives_the_matmuls_value
     inductor can fuse into the kernel that reads the output), to the matmul form's output and x's, A's and B's
     gradients; eager runs keep the matmul."""
     from ugpum.compute import lora as lora_module
-    from ugpum.compute.lora import attach_lora
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.GELU(), torch.nn.Linear(48, 16))
-    adapters = attach_lora(model, ["0", "2"], rank=4, alpha=2.0, seed=1)
-    for _, a in adapters.items():
-        torch.nn.init.normal_(a.B, std=0.3)
-    x = torch.randn(2, 20, 32)
+    model, adapters, x = two_linears_with_lora()
     summed = []
     monkeypatch.setattr(lora_module._UpProjectionAsSum, "forward",
                         staticmethod(lambda ctx, h, b, real=lora_module._UpProjectionAsSum.forward:
                                      summed.append(h.shape) or real(ctx, h, b)))
 
     def run():
-        torch._dynamo.reset()
-        xi = x.clone().requires_grad_()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            y = torch.compile(model, backend="aot_eager")(xi)
-        (y.float() * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
-        grads = [xi.grad] + [t.grad.clone() for _, a in adapters.items() for t in (a.A, a.B)]
-        for _, a in adapters.items():
-            a.A.grad = a.B.grad = None
-        return [y.detach().float(), *grads]
+        return output_and_gradients(model, adapters, x, compiled=True, autocast=autocast)
 
     want = run()
     assert not summed
