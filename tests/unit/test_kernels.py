@@ -220,3 +220,25 @@ def test_compiled_the_up_projection_summed_over_the_rank_gives_the_matmuls_value
     summed.clear()
     model(x)
     assert not summed                                                       # eager: the matmul
+
+
+def test_the_8bit_kernels_compile_for_hopper_with_the_installed_triton():
+    """Triton's own compiler (its front end, then ptxas, both in its wheel: no GPU needed) takes the int8 and the TMA
+    kernels for an H100, int8 and fp8 operands, with and without the LoRA epilogue: the interpreter above runs the
+    kernels' Python and skips the compiler's checks, which the GPU runs hit (bench/results/README.md, the ninth and
+    tenth sessions)."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from ugpum.compute.kernels import triton_kernels as k
+    scalars = {"M": "i32", "N": "i32", "K": "i32", "R": "i32", "scale": "fp32"}
+    for kernel, tile in ((k.scaled_mm_8bit_tma, {"BM": 128, "BN": 256, "BK": 128, "GROUP": 8}),
+                         (k.scaled_mm_8bit, {"BM": 128, "BN": 128, "BK": 128})):
+        for operand in ("i8", "fp8e4nv") if kernel is k.scaled_mm_8bit_tma else ("i8",):
+            for lora in (False, True):
+                pointers = {name: f"*{t}" for name, t in (("a_ptr", operand), ("b_ptr", operand), ("sa_ptr", "fp32"),
+                            ("sb_ptr", "fp32"), ("c_ptr", "bf16"), ("h_ptr", "bf16"), ("lb_ptr", "bf16"))}
+                constants = {**tile, "LORA": lora, "BR": k.TILE_R}
+                signature = {**pointers, **scalars, **{name: "constexpr" for name in constants}}
+                compiled = triton.compile(ASTSource(kernel.fn, signature, constants), target=GPUTarget("cuda", 90, 32))
+                assert compiled.asm["cubin"], (kernel.fn.__name__, operand, lora)

@@ -97,10 +97,8 @@ def scaled_mm_8bit_tma(a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, h_ptr, lb_ptr, M, N,
     pn = (pid % (GROUP * cols)) // group_rows
     a_tiles = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[K, 1], block_shape=[BM, BK])
     b_tiles = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[K, 1], block_shape=[BN, BK])
-    # (the accumulator's dtype named in the dot too: Triton 3.6's dot takes fp32 unless told, and refused an int32 one)
-    acc_dtype: tl.constexpr = tl.int32 if a_ptr.dtype.element_ty == tl.int8 else tl.float32
-    acc = tl.zeros((BM, BN), dtype=acc_dtype)
-    for k0 in range(0, K, BK):
-        acc = tl.dot(a_tiles.load([pm * BM, k0]), tl.trans(b_tiles.load([pn * BN, k0])), acc, out_dtype=acc_dtype)
+    acc = tl.zeros((BM, BN), dtype=tl.int32 if a_ptr.dtype.element_ty == tl.int8 else tl.float32)
+    for k0 in range(0, K, BK):     # (out_dtype named: Triton 3.6's dot takes fp32 unless told, refusing an int32 acc)
+        acc = tl.dot(a_tiles.load([pm * BM, k0]), tl.trans(b_tiles.load([pn * BN, k0])), acc, out_dtype=acc.dtype)
     rescaled_out(acc, pm * BM + tl.arange(0, BM), pn * BN + tl.arange(0, BN), sa_ptr, sb_ptr, c_ptr, h_ptr, lb_ptr,
                  M, N, R, scale, BM, BN, LORA, BR)
