@@ -18,6 +18,7 @@ from ugpum.compute.kernels.matmul_8bit import scaled_mm_8bit
 from ugpum.compute.kernels.lora_up import add_up_projection
 from ugpum.compute.modes import mode_named
 
+# (the interpreter's child process imports this file without conftest's path)
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from support.lora_pair import output_and_gradients, two_linears_with_lora  # noqa: E402
 
